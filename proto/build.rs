@@ -1,0 +1,22 @@
+//! Generates the Rust code for the contract with protox (no system `protoc`)
+//! and writes the encoded file descriptor set used by server reflection.
+
+use std::{env, fs, path::PathBuf};
+
+use prost::Message as _;
+
+const PROTOS: &[&str] = &[
+    "lattice/agent/v1/content.proto",
+    "lattice/agent/v1/agent.proto",
+    "lattice/hooks/v1/hooks.proto",
+    "lattice/tools/v1/tools.proto",
+];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=lattice");
+    let fds = protox::compile(PROTOS, ["."])?;
+    let out = PathBuf::from(env::var("OUT_DIR")?);
+    fs::write(out.join("lattice_descriptor.bin"), fds.encode_to_vec())?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    Ok(())
+}

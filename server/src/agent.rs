@@ -1,0 +1,550 @@
+//! The agent loop: model request → reply → tool calls → results → next turn.
+//!
+//! Every value a hook may change passes through the chain before it exists
+//! anywhere else: the model request goes to the OnModelRequest hooks before
+//! the trace, the event stream and the model; a tool result goes to the
+//! OnToolResult hooks before the trace, the stream and the next request. A
+//! hook failure returns `Err` through every `?` on the way up, so the
+//! conversation being built (`messages`) is dropped, never stored.
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use futures_util::{StreamExt, future::BoxFuture};
+use lattice_proto::hooks::v1 as hpb;
+use tokio::{sync::mpsc, time::Instant};
+use tracing::{debug, info, warn};
+
+use crate::{
+    config::{AgentDef, Config, ServerSettings},
+    domain::{Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
+    hooks::{HookChain, HookCtx, HookError, ToolCallView},
+    model::{self, Model, ModelContext, ModelError},
+    tools::{AgentTools, Binding, CallCtx, CallOutcome, RawResult, ToolSetupError, call_remote},
+    trace::{TraceEvent, TraceScope, Tracer},
+};
+
+/// What a query streams, in order (domain form; the service converts).
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A model request as sent (after the hooks).
+    ModelRequest {
+        /// 1-based turn.
+        turn: u32,
+        /// The request.
+        request: ModelRequest,
+    },
+    /// The model's reply.
+    Assistant {
+        /// 1-based turn.
+        turn: u32,
+        /// Its content.
+        content: Vec<Block>,
+    },
+    /// A tool result as the model will see it (after the hooks).
+    ToolResult {
+        /// 1-based turn.
+        turn: u32,
+        /// The tool.
+        tool_name: String,
+        /// The result.
+        result: ToolResult,
+        /// How the call went.
+        outcome: CallOutcome,
+        /// Call plus hooks.
+        duration: Duration,
+    },
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// A hook failed: the query is aborted.
+    #[error(transparent)]
+    Hook(#[from] HookError),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The query's deadline passed.
+    #[error("the query's deadline passed")]
+    DeadlineExceeded,
+    /// The client went away.
+    #[error("the client cancelled the query")]
+    Cancelled,
+}
+
+/// A successful run.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// The whole conversation after the run (to be stored).
+    pub messages: Vec<Message>,
+    /// The last assistant text.
+    pub text: String,
+    /// Why the loop stopped.
+    pub stop_reason: StopReason,
+    /// Model requests made.
+    pub turns: u32,
+    /// Tokens over all turns.
+    pub usage: Usage,
+}
+
+/// One query's context, shared by its turns.
+#[derive(Debug, Clone)]
+pub struct RunCtx {
+    /// The client-facing query id (shared with delegated runs).
+    pub query_id: String,
+    /// This run's session.
+    pub session_id: String,
+    /// The query's deadline (a delegated run's may be earlier).
+    pub deadline: Instant,
+    /// 0 for the client's agent, +1 per delegation.
+    pub depth: u32,
+    /// Where events go (`None` for delegated runs: only their final text
+    /// reaches the parent, as a tool result).
+    pub events: Option<mpsc::Sender<Event>>,
+    /// Stream model requests too.
+    pub include_model_requests: bool,
+}
+
+impl RunCtx {
+    async fn send(&self, event: Event) {
+        if let Some(tx) = &self.events {
+            // A closed channel means the client is gone; the service notices
+            // that and drops this run, so the error is of no use here.
+            let _ = tx.send(event).await;
+        }
+    }
+
+    fn hook_ctx(&self, turn: u32) -> HookCtx<'_> {
+        HookCtx { session_id: &self.session_id, query_id: &self.query_id, turn, deadline: self.deadline }
+    }
+}
+
+/// An agent ready to run.
+#[derive(Debug)]
+pub struct AgentRuntime {
+    /// Its definition.
+    pub def: AgentDef,
+    /// Its model.
+    pub model: Arc<dyn Model>,
+    /// Its tools.
+    pub tools: AgentTools,
+    /// Its hook chain.
+    pub hooks: HookChain,
+}
+
+/// Why the runtime could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// Tools.
+    #[error(transparent)]
+    Tools(#[from] ToolSetupError),
+    /// A hook endpoint.
+    #[error("agent {agent:?}: hook {hook:?}: {source}")]
+    Hook {
+        /// The agent.
+        agent: String,
+        /// The hook.
+        hook: String,
+        /// The cause.
+        source: tonic::transport::Error,
+    },
+}
+
+/// All agents, ready to run queries.
+#[derive(Debug)]
+pub struct Runtime {
+    agents: HashMap<String, Arc<AgentRuntime>>,
+    order: Vec<String>,
+    /// Server-wide settings.
+    pub settings: ServerSettings,
+    tracer: Tracer,
+}
+
+impl Runtime {
+    /// Builds every agent: models, hook channels (lazy), tools (discovered).
+    pub async fn build(config: &Config) -> Result<Self, SetupError> {
+        let mut agents = HashMap::new();
+        let mut order = Vec::new();
+        for def in &config.agents {
+            let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes).map_err(|source| {
+                SetupError::Hook {
+                    agent: def.name.clone(),
+                    hook: def.hooks.first().map(|h| h.name.clone()).unwrap_or_default(),
+                    source,
+                }
+            })?;
+            let tools = AgentTools::build(def, &config.server).await?;
+            let chain: Vec<String> =
+                def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
+            info!(agent = %def.name, model = %def.model.label(), hooks = ?chain, "agent ready");
+            let runtime = AgentRuntime { def: def.clone(), model: model::build(&def.model), tools, hooks };
+            order.push(def.name.clone());
+            agents.insert(def.name.clone(), Arc::new(runtime));
+        }
+        Ok(Self {
+            agents,
+            order,
+            settings: config.server.clone(),
+            tracer: Tracer::new(config.server.trace_dir.clone()),
+        })
+    }
+
+    /// An agent by name.
+    pub fn agent(&self, name: &str) -> Option<&Arc<AgentRuntime>> {
+        self.agents.get(name)
+    }
+
+    /// The agents in config order.
+    pub fn agents(&self) -> impl Iterator<Item = &Arc<AgentRuntime>> {
+        self.order.iter().filter_map(|n| self.agents.get(n))
+    }
+
+    /// The trace sink.
+    pub fn tracer(&self) -> &Tracer {
+        &self.tracer
+    }
+
+    /// Runs `agent`'s loop on `history` plus `prompt`. Boxed: delegation
+    /// makes it recursive.
+    pub fn run<'a>(
+        &'a self,
+        agent: &'a Arc<AgentRuntime>,
+        ctx: &'a RunCtx,
+        history: Vec<Message>,
+        prompt: String,
+    ) -> BoxFuture<'a, Result<RunOutcome, AgentError>> {
+        Box::pin(self.run_loop(agent, ctx, history, prompt))
+    }
+
+    async fn run_loop(
+        &self,
+        agent: &Arc<AgentRuntime>,
+        ctx: &RunCtx,
+        mut messages: Vec<Message>,
+        prompt: String,
+    ) -> Result<RunOutcome, AgentError> {
+        let scope = TraceScope {
+            agent: agent.def.name.clone(),
+            session_id: ctx.session_id.clone(),
+            query_id: ctx.query_id.clone(),
+        };
+        push_prompt(&mut messages, prompt);
+        let mut usage = Usage::default();
+        let mut last_text = String::new();
+        for turn in 1..=agent.def.max_turns {
+            check_deadline(ctx)?;
+            let request = ModelRequest {
+                system: agent.def.system_prompt.clone(),
+                messages: messages.clone(),
+                tools: agent.tools.specs.clone(),
+            };
+            let request = agent.hooks.on_model_request(&ctx.hook_ctx(turn), request).await?;
+            self.tracer.emit(&scope, TraceEvent::ModelRequest { turn, request: &request }).await;
+            if ctx.include_model_requests {
+                ctx.send(Event::ModelRequest { turn, request: request.clone() }).await;
+            }
+            let mctx = ModelContext { agent: agent.def.name.clone(), query_id: ctx.query_id.clone(), turn };
+            let started = Instant::now();
+            let reply = tokio::time::timeout_at(ctx.deadline, agent.model.complete(&request, &mctx))
+                .await
+                .map_err(|_| AgentError::DeadlineExceeded)??;
+            drop(request);
+            debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), elapsed_ms = started.elapsed().as_millis() as u64, "model replied");
+            usage += reply.usage;
+            self.tracer
+                .emit(
+                    &scope,
+                    TraceEvent::AssistantMessage {
+                        turn,
+                        content: &reply.content,
+                        stop_reason: reply.stop_reason,
+                        usage: reply.usage,
+                    },
+                )
+                .await;
+            ctx.send(Event::Assistant { turn, content: reply.content.clone() }).await;
+            last_text = text_of(&reply.content);
+            let uses: Vec<ToolUse> = reply.tool_uses().cloned().collect();
+            for u in &uses {
+                self.tracer.emit(&scope, TraceEvent::ToolUse { turn, id: &u.id, name: &u.name }).await;
+            }
+            if !reply.content.is_empty() {
+                messages.push(Message { role: Role::Assistant, content: reply.content });
+            }
+            if uses.is_empty() {
+                return Ok(RunOutcome {
+                    messages,
+                    text: last_text,
+                    stop_reason: reply.stop_reason,
+                    turns: turn,
+                    usage,
+                });
+            }
+            let results = self.run_tools(agent, ctx, &scope, turn, &uses).await?;
+            messages.push(Message { role: Role::User, content: results.into_iter().map(Block::ToolResult).collect() });
+        }
+        Ok(RunOutcome {
+            messages,
+            text: last_text,
+            stop_reason: StopReason::MaxTurns,
+            turns: agent.def.max_turns,
+            usage,
+        })
+    }
+
+    /// Runs one reply's tool calls (up to `parallel_tool_calls` at once) and
+    /// returns their post-hook results in tool_use order. Each result's
+    /// chain is sequential; different results' chains may overlap.
+    async fn run_tools(
+        &self,
+        agent: &Arc<AgentRuntime>,
+        ctx: &RunCtx,
+        scope: &TraceScope,
+        turn: u32,
+        uses: &[ToolUse],
+    ) -> Result<Vec<ToolResult>, AgentError> {
+        let mut calls = Vec::with_capacity(uses.len());
+        for (i, u) in uses.iter().enumerate() {
+            calls.push(self.run_tool(agent, ctx, scope, turn, i, u));
+        }
+        let mut ordered = futures_util::stream::iter(calls).buffered(agent.def.parallel_tool_calls);
+        let mut results = Vec::with_capacity(uses.len());
+        while let Some(done) = ordered.next().await {
+            let (index, result, outcome, duration) = done?;
+            let call = &uses[index];
+            let outcome_name = outcome_name(outcome);
+            self.tracer
+                .emit(
+                    scope,
+                    TraceEvent::ToolResult { turn, tool_name: &call.name, result: &result, outcome: outcome_name },
+                )
+                .await;
+            debug!(agent = %agent.def.name, turn, tool = %call.name, tool_use_id = %call.id, outcome = outcome_name, bytes = result.len(), is_error = result.is_error, elapsed_ms = duration.as_millis() as u64, "tool result");
+            ctx.send(Event::ToolResult {
+                turn,
+                tool_name: call.name.clone(),
+                result: result.clone(),
+                outcome,
+                duration,
+            })
+            .await;
+            results.push(result);
+        }
+        Ok(results)
+    }
+
+    /// One tool call and its OnToolResult chain.
+    async fn run_tool(
+        &self,
+        agent: &Arc<AgentRuntime>,
+        ctx: &RunCtx,
+        scope: &TraceScope,
+        turn: u32,
+        index: usize,
+        call: &ToolUse,
+    ) -> Result<(usize, ToolResult, CallOutcome, Duration), AgentError> {
+        use hpb::ToolErrorKind as K;
+        let started = Instant::now();
+        let def = &agent.def;
+        let raw = if index >= def.max_tool_calls_per_turn {
+            let msg = format!(
+                "tool call blocked: the agent allows at most {} tool calls per reply",
+                def.max_tool_calls_per_turn
+            );
+            RawResult::lattice(&call.id, K::BatchLimit, msg, CallOutcome::Blocked)
+        } else {
+            match agent.tools.bindings.get(&call.name) {
+                None => RawResult::lattice(
+                    &call.id,
+                    K::UnknownTool,
+                    format!("unknown tool {:?}: this agent has no such tool", call.name),
+                    CallOutcome::Blocked,
+                ),
+                Some(_) if !def.permissions.allows(&call.name) => RawResult::lattice(
+                    &call.id,
+                    K::PermissionDenied,
+                    format!("tool {:?} is not permitted for this agent", call.name),
+                    CallOutcome::Blocked,
+                ),
+                Some(binding) => {
+                    // Armed while the call runs: if the query is aborted, the
+                    // guard's drop reports a cancelled result to the hooks.
+                    let guard = CancelGuard {
+                        armed: true,
+                        agent: agent.clone(),
+                        tracer: self.tracer.clone(),
+                        scope: scope.clone(),
+                        call: call.clone(),
+                        turn,
+                    };
+                    let call_deadline = ctx.deadline.min(Instant::now() + binding.deadline());
+                    let raw = match binding {
+                        Binding::Remote { client, endpoint, .. } => {
+                            let cctx =
+                                CallCtx { agent: &def.name, session_id: &ctx.session_id, query_id: &ctx.query_id };
+                            call_remote(client, endpoint, call, &cctx, call_deadline).await
+                        }
+                        Binding::Agent { agent: target, .. } => self.delegate(ctx, call, target, call_deadline).await?,
+                    };
+                    guard.disarm();
+                    raw
+                }
+            }
+        };
+        // A tool whose deadline is the query's: the query is over, not the tool.
+        check_deadline(ctx)?;
+        let view = ToolCallView {
+            tool_name: &call.name,
+            tool_use_id: &call.id,
+            input: &call.input,
+            error: raw.error,
+            source: raw.source,
+        };
+        let result = agent.hooks.on_tool_result(&ctx.hook_ctx(turn), &view, raw.result).await?;
+        Ok((index, result, raw.outcome, started.elapsed()))
+    }
+
+    /// Runs a delegated agent on a fresh session; its final text is the
+    /// result. Its own hook failure aborts the whole query.
+    async fn delegate(
+        &self,
+        ctx: &RunCtx,
+        call: &ToolUse,
+        target: &str,
+        deadline: Instant,
+    ) -> Result<RawResult, AgentError> {
+        use hpb::ToolErrorKind as K;
+        let source = hpb::ResultSource { kind: hpb::SourceKind::DelegatedAgent as i32, name: target.to_owned() };
+        let fail = |kind: K, message: String, outcome| RawResult {
+            result: ToolResult::text(&call.id, message.clone(), true),
+            error: Some(hpb::ToolError { kind: kind as i32, message }),
+            source: source.clone(),
+            outcome,
+        };
+        if ctx.depth + 1 > self.settings.max_delegation_depth {
+            let msg = format!(
+                "agent {target:?} was not called: delegation depth limit ({}) reached",
+                self.settings.max_delegation_depth
+            );
+            return Ok(fail(K::Delegation, msg, CallOutcome::Blocked));
+        }
+        let Some(prompt) = call.input.get("prompt").and_then(|p| p.as_str()).filter(|p| !p.trim().is_empty()) else {
+            return Ok(fail(K::Delegation, "input.prompt must be a non-empty string".into(), CallOutcome::Blocked));
+        };
+        let Some(child) = self.agents.get(target) else {
+            return Ok(fail(K::Delegation, format!("no agent {target:?}"), CallOutcome::Blocked));
+        };
+        let child_ctx = RunCtx {
+            query_id: ctx.query_id.clone(),
+            session_id: uuid::Uuid::new_v4().to_string(),
+            deadline,
+            depth: ctx.depth + 1,
+            events: None,
+            include_model_requests: false,
+        };
+        info!(parent_session = %ctx.session_id, agent = %target, session_id = %child_ctx.session_id, depth = child_ctx.depth, "delegating");
+        match self.run(child, &child_ctx, Vec::new(), prompt.to_owned()).await {
+            Ok(out) => Ok(RawResult {
+                result: ToolResult::text(&call.id, out.text, false),
+                error: None,
+                source,
+                outcome: CallOutcome::Executed,
+            }),
+            Err(AgentError::Hook(e)) => Err(AgentError::Hook(e)),
+            Err(AgentError::DeadlineExceeded) if Instant::now() >= ctx.deadline => Err(AgentError::DeadlineExceeded),
+            Err(AgentError::DeadlineExceeded) => {
+                Ok(fail(K::Deadline, format!("agent {target:?} did not finish in time"), CallOutcome::Failed))
+            }
+            Err(AgentError::Model(e)) => {
+                Ok(fail(K::Delegation, format!("agent {target:?} failed: {e}"), CallOutcome::Failed))
+            }
+            Err(AgentError::Cancelled) => Err(AgentError::Cancelled),
+        }
+    }
+}
+
+fn check_deadline(ctx: &RunCtx) -> Result<(), AgentError> {
+    if Instant::now() >= ctx.deadline { Err(AgentError::DeadlineExceeded) } else { Ok(()) }
+}
+
+/// Appends the prompt as a user message (merged into a trailing user
+/// message, as after a run that stopped at max_turns, so roles alternate).
+fn push_prompt(messages: &mut Vec<Message>, prompt: String) {
+    match messages.last_mut() {
+        Some(last) if last.role == Role::User => last.content.push(Block::Text { text: prompt }),
+        _ => messages.push(Message::user_text(prompt)),
+    }
+}
+
+/// The outcome's name in traces and logs.
+pub fn outcome_name(o: CallOutcome) -> &'static str {
+    match o {
+        CallOutcome::Executed => "executed",
+        CallOutcome::Failed => "failed",
+        CallOutcome::Blocked => "blocked",
+        CallOutcome::Cancelled => "cancelled",
+    }
+}
+
+/// Reports a tool call that an abort cancelled to the agent's OnToolResult
+/// hooks (audit hooks see every call), in the background: the query is
+/// over, so its deadline no longer applies and each hook gets its own. The
+/// post-hook result reaches the trace only; a hook failure here is logged.
+struct CancelGuard {
+    armed: bool,
+    agent: Arc<AgentRuntime>,
+    tracer: Tracer,
+    scope: TraceScope,
+    call: ToolUse,
+    turn: u32,
+}
+
+impl CancelGuard {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.armed || !self.agent.hooks.handles_tool_results() {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        let (agent, tracer, scope, call, turn) =
+            (self.agent.clone(), self.tracer.clone(), self.scope.clone(), self.call.clone(), self.turn);
+        handle.spawn(async move {
+            let msg = "tool call cancelled: the query was aborted".to_owned();
+            let raw = RawResult::lattice(&call.id, hpb::ToolErrorKind::Cancelled, msg, CallOutcome::Cancelled);
+            let ctx = HookCtx {
+                session_id: &scope.session_id,
+                query_id: &scope.query_id,
+                turn,
+                deadline: Instant::now() + agent.def.hooks.iter().map(|h| h.deadline).sum::<Duration>(),
+            };
+            let view = ToolCallView {
+                tool_name: &call.name,
+                tool_use_id: &call.id,
+                input: &call.input,
+                error: raw.error,
+                source: raw.source,
+            };
+            match agent.hooks.on_tool_result(&ctx, &view, raw.result).await {
+                Ok(result) => {
+                    tracer
+                        .emit(
+                            &scope,
+                            TraceEvent::ToolResult {
+                                turn,
+                                tool_name: &call.name,
+                                result: &result,
+                                outcome: "cancelled",
+                            },
+                        )
+                        .await
+                }
+                Err(e) => warn!(error = %e, "hook failed on a cancelled tool result"),
+            }
+        });
+    }
+}

@@ -1,0 +1,157 @@
+//! `lattice query`: runs one query against a server and prints its event
+//! stream readably (a grpcurl-free way to try an agent).
+
+use std::{fmt::Write as _, io::Write, time::Duration};
+
+use lattice_proto::agent::v1::{
+    self as pb, agent_service_client::AgentServiceClient, content_block::Block, query_event::Event,
+};
+use tokio_stream::StreamExt;
+use tonic_types::StatusExt;
+
+use crate::convert;
+
+/// What to ask.
+#[derive(Debug, Clone)]
+pub struct QueryArgs {
+    /// `http://host:port`.
+    pub addr: String,
+    /// The agent.
+    pub agent: String,
+    /// Continue this session.
+    pub session: Option<String>,
+    /// The prompt.
+    pub prompt: String,
+    /// Print model requests too.
+    pub show_requests: bool,
+    /// The query's deadline.
+    pub timeout: Duration,
+}
+
+fn block_text(b: &pb::ContentBlock, indent: &str) -> String {
+    match &b.block {
+        Some(Block::Text(t)) => format!("{indent}{}", t.text.replace('\n', &format!("\n{indent}"))),
+        Some(Block::ToolUse(t)) => {
+            let input = serde_json::Value::Object(convert::from_struct(t.input.clone()));
+            format!("{indent}tool_use {} {} [{}]", t.name, input, t.id)
+        }
+        Some(Block::ToolResult(r)) => {
+            let text: Vec<&str> = r.content.iter().map(|t| t.text.as_str()).collect();
+            format!(
+                "{indent}tool_result [{}]{} {}",
+                r.tool_use_id,
+                if r.is_error { " (error)" } else { "" },
+                text.join("")
+            )
+        }
+        None => format!("{indent}(empty block)"),
+    }
+}
+
+/// Runs the query, printing each event to `out`. Returns the final status:
+/// `Ok` after a final result, `Err` with the printed error otherwise.
+pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<(), tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(args.addr.clone())
+        .map_err(|e| tonic::Status::invalid_argument(format!("bad address {:?}: {e}", args.addr)))?
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(format!("cannot connect to {}: {e}", args.addr)))?;
+    let mut client = AgentServiceClient::new(channel);
+    let mut request = tonic::Request::new(pb::QueryRequest {
+        agent: args.agent,
+        session_id: args.session,
+        prompt: args.prompt,
+        include_model_requests: args.show_requests,
+    });
+    request.set_timeout(args.timeout);
+    let mut stream = match client.query(request).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => {
+            print_status(out, &s);
+            return Err(s);
+        }
+    };
+    loop {
+        match stream.next().await {
+            None => return Ok(()),
+            Some(Err(s)) => {
+                print_status(out, &s);
+                return Err(s);
+            }
+            Some(Ok(ev)) => {
+                let mut line = String::new();
+                match ev.event {
+                    Some(Event::Started(s)) => {
+                        let _ = write!(line, "▶ query {} · agent {} · session {}", s.query_id, s.agent, s.session_id);
+                    }
+                    Some(Event::ModelRequest(r)) => {
+                        let _ = writeln!(
+                            line,
+                            "→ model request (turn {}): {} messages, {} tools",
+                            r.turn,
+                            r.messages.len(),
+                            r.tools.len()
+                        );
+                        let _ = writeln!(line, "    system: {}", r.system);
+                        for m in &r.messages {
+                            let role = if m.role == pb::Role::Assistant as i32 { "assistant" } else { "user" };
+                            let _ = writeln!(line, "    {role}:");
+                            for b in &m.content {
+                                let _ = writeln!(line, "{}", block_text(b, "      "));
+                            }
+                        }
+                        line.pop();
+                    }
+                    Some(Event::TextDelta(_)) => continue,
+                    Some(Event::Assistant(a)) => {
+                        let _ = writeln!(line, "◆ assistant (turn {}):", a.turn);
+                        for b in a.message.iter().flat_map(|m| m.content.iter()) {
+                            let _ = writeln!(line, "{}", block_text(b, "    "));
+                        }
+                        line.pop();
+                    }
+                    Some(Event::ToolResult(t)) => {
+                        let outcome = pb::ToolCallOutcome::try_from(t.outcome).map(|o| o.as_str_name()).unwrap_or("?");
+                        let outcome = outcome.trim_start_matches("TOOL_CALL_OUTCOME_").to_lowercase();
+                        let r = t.result.unwrap_or_default();
+                        let text: Vec<&str> = r.content.iter().map(|c| c.text.as_str()).collect();
+                        let _ = write!(
+                            line,
+                            "◇ tool result {} [{}] ({outcome}{}, {} ms):\n    {}",
+                            t.tool_name,
+                            r.tool_use_id,
+                            if r.is_error { ", is_error" } else { "" },
+                            t.duration_ms,
+                            text.join("").replace('\n', "\n    ")
+                        );
+                    }
+                    Some(Event::Result(r)) => {
+                        let reason = pb::StopReason::try_from(r.stop_reason).map(|o| o.as_str_name()).unwrap_or("?");
+                        let u = r.usage.unwrap_or_default();
+                        let _ = write!(
+                            line,
+                            "✔ result ({}, {} turn(s), {} in / {} out tokens):\n    {}",
+                            reason.trim_start_matches("STOP_REASON_").to_lowercase(),
+                            r.turns,
+                            u.input_tokens,
+                            u.output_tokens,
+                            r.text.replace('\n', "\n    ")
+                        );
+                    }
+                    None => continue,
+                }
+                let _ = writeln!(out, "{line}");
+            }
+        }
+    }
+}
+
+fn print_status(out: &mut (dyn Write + Send), s: &tonic::Status) {
+    let _ = writeln!(out, "✘ {:?}: {}", s.code(), s.message());
+    if let Some(info) = s.get_details_error_info() {
+        let mut meta: Vec<_> = info.metadata.iter().collect();
+        meta.sort();
+        let meta: Vec<String> = meta.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let _ = writeln!(out, "    {} ({}) {}", info.reason, info.domain, meta.join(" "));
+    }
+}

@@ -1,0 +1,725 @@
+//! The config file: TOML → raw serde structs → a validated, typed config.
+//!
+//! Parsing stops at the first syntax or type error (the TOML parser reports
+//! it with line and column). Everything after that is validated as a whole
+//! and every problem is reported, each with file, line and field, so that one
+//! run of `lattice check-config` shows all there is to fix.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    fmt,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::Deserialize;
+use serde_json::Value;
+use toml::Spanned;
+
+use crate::domain::{JsonObject, StopReason, ToolSpec};
+
+/// Defaults, named so that docs and code agree.
+pub mod defaults {
+    /// Model requests per query.
+    pub const MAX_TURNS: u32 = 10;
+    /// Tool calls of one reply run at once.
+    pub const PARALLEL_TOOL_CALLS: usize = 1;
+    /// Tool calls one reply may ask for.
+    pub const MAX_TOOL_CALLS_PER_TURN: usize = 16;
+    /// A tool call's deadline.
+    pub const TOOL_DEADLINE_MS: u64 = 30_000;
+    /// A hook call's deadline when the hook sets none.
+    pub const HOOK_DEADLINE_MS: u64 = 1_000;
+    /// No hook deadline may exceed this.
+    pub const HOOK_DEADLINE_CEILING_MS: u64 = 10_000;
+    /// A query's deadline when the client sends none.
+    pub const QUERY_DEADLINE_MS: u64 = 600_000;
+    /// Nesting of delegated agents.
+    pub const MAX_DELEGATION_DEPTH: u32 = 3;
+    /// Queries served at once, across sessions.
+    pub const MAX_CONCURRENT_QUERIES: usize = 256;
+    /// Largest gRPC message accepted or sent (requests, hook and tool replies).
+    pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+    /// How long start-up waits for ListTools of each tool service.
+    pub const TOOL_DISCOVERY_TIMEOUT_MS: u64 = 10_000;
+    /// The listen address.
+    pub const LISTEN: &str = "127.0.0.1:50051";
+}
+
+// ---------------------------------------------------------------- raw ----
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    server: RawServer,
+    #[serde(default)]
+    agents: Vec<RawAgent>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<Spanned<String>>,
+    max_concurrent_queries: Option<usize>,
+    max_message_bytes: Option<usize>,
+    hook_deadline_ms: Option<u64>,
+    hook_deadline_ceiling_ms: Option<u64>,
+    query_deadline_ms: Option<u64>,
+    max_delegation_depth: Option<u32>,
+    tool_discovery_timeout_ms: Option<u64>,
+    trace_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAgent {
+    name: Spanned<String>,
+    #[serde(default)]
+    description: String,
+    #[serde(default)]
+    system_prompt: String,
+    model: Spanned<RawModel>,
+    max_turns: Option<Spanned<u32>>,
+    parallel_tool_calls: Option<Spanned<usize>>,
+    max_tool_calls_per_turn: Option<Spanned<usize>>,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    deny: Vec<String>,
+    #[serde(default)]
+    tools: Vec<RawToolSource>,
+    #[serde(default)]
+    delegates: Vec<RawDelegate>,
+    #[serde(default)]
+    hooks: Vec<RawHook>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    provider: Spanned<String>,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    script: Vec<RawScriptTurn>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScriptTurn {
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    tool_calls: Vec<RawScriptCall>,
+    #[serde(default)]
+    delay_ms: u64,
+    #[serde(default)]
+    stop_reason: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScriptCall {
+    name: String,
+    #[serde(default)]
+    input: BTreeMap<String, toml::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawToolSource {
+    endpoint: Spanned<String>,
+    deadline_ms: Option<u64>,
+    /// Offer only these of the discovered tools.
+    only: Option<Vec<String>>,
+    /// Declare the tools here instead of discovering them with ListTools.
+    declare: Option<Vec<RawToolDecl>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawToolDecl {
+    name: String,
+    #[serde(default)]
+    description: String,
+    #[serde(default)]
+    input_schema: BTreeMap<String, toml::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDelegate {
+    agent: Spanned<String>,
+    tool_name: Option<String>,
+    #[serde(default)]
+    description: String,
+    deadline_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHook {
+    name: Spanned<String>,
+    endpoint: Spanned<String>,
+    events: Spanned<Vec<String>>,
+    deadline_ms: Option<Spanned<u64>>,
+    #[serde(default = "yes")]
+    enabled: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+// ---------------------------------------------------------- validated ----
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Server-wide settings.
+    pub server: ServerSettings,
+    /// The agents, in file order.
+    pub agents: Vec<AgentDef>,
+}
+
+/// Server-wide settings.
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    /// Where to listen (the CLI's `--listen` wins).
+    pub listen: SocketAddr,
+    /// Queries served at once; the excess gets RESOURCE_EXHAUSTED.
+    pub max_concurrent_queries: usize,
+    /// Largest gRPC message, both ways, on every connection.
+    pub max_message_bytes: usize,
+    /// Ceiling on every hook deadline.
+    pub hook_deadline_ceiling: Duration,
+    /// A hook's deadline when its entry sets none.
+    pub hook_default_deadline: Duration,
+    /// A query's deadline when the client sends no grpc-timeout (and the cap
+    /// on the one it sends).
+    pub query_deadline: Duration,
+    /// Nesting of delegated agents.
+    pub max_delegation_depth: u32,
+    /// How long start-up waits for each tool service's ListTools.
+    pub tool_discovery_timeout: Duration,
+    /// When set, a JSONL trace file per session is written here.
+    pub trace_dir: Option<PathBuf>,
+}
+
+/// One agent.
+#[derive(Debug, Clone)]
+pub struct AgentDef {
+    /// Unique name.
+    pub name: String,
+    /// What it is for.
+    pub description: String,
+    /// The system prompt.
+    pub system_prompt: String,
+    /// Its model.
+    pub model: ModelConfig,
+    /// Model requests per query.
+    pub max_turns: u32,
+    /// Tool calls of one reply run at once (1 = sequential).
+    pub parallel_tool_calls: usize,
+    /// Tool calls one reply may ask for; the rest are blocked.
+    pub max_tool_calls_per_turn: usize,
+    /// Which tools may run.
+    pub permissions: Permissions,
+    /// Remote tool services.
+    pub tool_sources: Vec<ToolSourceDef>,
+    /// Agents offered as tools.
+    pub delegates: Vec<DelegateDef>,
+    /// The hook chain, in registered order (disabled entries included).
+    pub hooks: Vec<HookDef>,
+}
+
+/// Which model answers.
+#[derive(Debug, Clone)]
+pub enum ModelConfig {
+    /// The deterministic offline model.
+    Scripted {
+        /// Shown as `scripted/NAME`.
+        name: String,
+        /// One entry per turn.
+        script: Vec<ScriptTurn>,
+    },
+}
+
+impl ModelConfig {
+    /// `provider/name`, for GetAgent and logs.
+    pub fn label(&self) -> String {
+        match self {
+            ModelConfig::Scripted { name, .. } => format!("scripted/{name}"),
+        }
+    }
+}
+
+/// One scripted turn.
+#[derive(Debug, Clone)]
+pub struct ScriptTurn {
+    /// Text (may hold `{{...}}` echo placeholders).
+    pub text: Option<String>,
+    /// Tool calls, in order.
+    pub tool_calls: Vec<(String, JsonObject)>,
+    /// Wait this long before answering.
+    pub delay: Duration,
+    /// Reported stop reason (default: tool_use when there are calls, else end_turn).
+    pub stop_reason: Option<StopReason>,
+}
+
+/// Allow / deny by tool name. Deny wins; an empty allow list allows all.
+#[derive(Debug, Clone, Default)]
+pub struct Permissions {
+    /// Allowed names ("*" = all).
+    pub allow: Vec<String>,
+    /// Denied names ("*" = all).
+    pub deny: Vec<String>,
+}
+
+impl Permissions {
+    /// Whether a tool may run.
+    pub fn allows(&self, tool: &str) -> bool {
+        let hit = |list: &[String]| list.iter().any(|p| p == "*" || p == tool);
+        !hit(&self.deny) && (self.allow.is_empty() || hit(&self.allow))
+    }
+}
+
+/// A remote tool service of an agent.
+#[derive(Debug, Clone)]
+pub struct ToolSourceDef {
+    /// Its gRPC endpoint (http:// or https://).
+    pub endpoint: String,
+    /// Each call's deadline.
+    pub deadline: Duration,
+    /// Offer only these discovered tools.
+    pub only: Option<Vec<String>>,
+    /// Tools declared in config (no discovery).
+    pub declared: Option<Vec<ToolSpec>>,
+}
+
+/// An agent offered as a tool.
+#[derive(Debug, Clone)]
+pub struct DelegateDef {
+    /// The delegated agent.
+    pub agent: String,
+    /// The tool name the model sees.
+    pub tool_name: String,
+    /// The description the model sees.
+    pub description: String,
+    /// The whole delegated run's deadline.
+    pub deadline: Duration,
+}
+
+/// Which events a hook handles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HookEvents {
+    /// OnToolResult.
+    pub tool_result: bool,
+    /// OnModelRequest.
+    pub model_request: bool,
+}
+
+/// One hook registration.
+#[derive(Debug, Clone)]
+pub struct HookDef {
+    /// Its name.
+    pub name: String,
+    /// Its HookService endpoint.
+    pub endpoint: String,
+    /// Events it handles.
+    pub events: HookEvents,
+    /// Its deadline (already capped by the ceiling).
+    pub deadline: Duration,
+    /// Disabled entries are skipped.
+    pub enabled: bool,
+}
+
+// ------------------------------------------------------------- errors ----
+
+/// One problem in the config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// 1-based line, where known.
+    pub line: Option<usize>,
+    /// The field, as a path (`agents[0].hooks[1].endpoint`).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Why a config file was refused: every problem found.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct ConfigError {
+    /// The file.
+    pub file: PathBuf,
+    /// Every problem, in file order where lines are known.
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "invalid config {} ({} problem(s)):", self.file.display(), self.problems.len())?;
+        for p in &self.problems {
+            match p.line {
+                Some(l) => writeln!(f, "  {}:{l}: {}: {}", self.file.display(), p.field, p.message)?,
+                None => writeln!(f, "  {}: {}: {}", self.file.display(), p.field, p.message)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+// --------------------------------------------------------- validation ----
+
+/// Reads and validates a config file.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: path.to_owned(),
+        problems: vec![Problem { line: None, field: "-".into(), message: format!("cannot read: {e}") }],
+    })?;
+    parse(&text, path)
+}
+
+/// Parses and validates config text (`path` is for messages).
+pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+    let fail = |problems| ConfigError { file: path.to_owned(), problems };
+    let raw: RawConfig = toml::from_str(text).map_err(|e| {
+        let line = e.span().map(|s| line_of(text, s.start));
+        fail(vec![Problem { line, field: "-".into(), message: e.message().trim().to_owned() }])
+    })?;
+    let mut v = Validator { text, problems: Vec::new() };
+    let config = v.config(raw);
+    if v.problems.is_empty() {
+        Ok(config)
+    } else {
+        v.problems.sort_by_key(|p| p.line.unwrap_or(0));
+        Err(fail(v.problems))
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.get(..offset).map_or(1, |t| t.matches('\n').count() + 1)
+}
+
+struct Validator<'a> {
+    text: &'a str,
+    problems: Vec<Problem>,
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+fn toml_to_json(v: toml::Value) -> Value {
+    match v {
+        toml::Value::String(s) => Value::String(s),
+        toml::Value::Integer(i) => Value::from(i),
+        toml::Value::Float(f) => serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number),
+        toml::Value::Boolean(b) => Value::Bool(b),
+        toml::Value::Datetime(d) => Value::String(d.to_string()),
+        toml::Value::Array(a) => Value::Array(a.into_iter().map(toml_to_json).collect()),
+        toml::Value::Table(t) => Value::Object(t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect()),
+    }
+}
+
+fn table_to_object(t: BTreeMap<String, toml::Value>) -> JsonObject {
+    t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect()
+}
+
+impl Validator<'_> {
+    fn problem(&mut self, span: Option<std::ops::Range<usize>>, field: impl Into<String>, message: impl Into<String>) {
+        let line = span.map(|s| line_of(self.text, s.start));
+        self.problems.push(Problem { line, field: field.into(), message: message.into() });
+    }
+
+    fn endpoint(&mut self, e: &Spanned<String>, field: &str) {
+        let ok = (e.get_ref().starts_with("http://") || e.get_ref().starts_with("https://"))
+            && tonic::transport::Endpoint::from_shared(e.get_ref().clone()).is_ok();
+        if !ok {
+            self.problem(Some(e.span()), field, format!("{:?} is not an http:// or https:// URL", e.get_ref()));
+        }
+    }
+
+    fn positive<T: PartialOrd + Default + Copy>(&mut self, v: &Option<Spanned<T>>, field: &str, default: T) -> T {
+        match v {
+            Some(s) if *s.get_ref() <= T::default() => {
+                self.problem(Some(s.span()), field, "must be at least 1");
+                default
+            }
+            Some(s) => *s.get_ref(),
+            None => default,
+        }
+    }
+
+    fn config(&mut self, raw: RawConfig) -> Config {
+        let server = self.server(raw.server);
+        if raw.agents.is_empty() {
+            self.problem(None, "agents", "no agents are defined: add at least one [[agents]] table");
+        }
+        let mut seen = HashSet::new();
+        for (i, a) in raw.agents.iter().enumerate() {
+            if !seen.insert(a.name.get_ref().clone()) {
+                self.problem(
+                    Some(a.name.span()),
+                    format!("agents[{i}].name"),
+                    format!("duplicate agent name {:?}", a.name.get_ref()),
+                );
+            }
+        }
+        let names: HashSet<String> = raw.agents.iter().map(|a| a.name.get_ref().clone()).collect();
+        let mut agents = Vec::new();
+        let mut spans = Vec::new();
+        for (i, a) in raw.agents.into_iter().enumerate() {
+            spans.push(a.name.span());
+            agents.push(self.agent(i, a, &names, &server));
+        }
+        self.cycles(&agents, &spans);
+        Config { server, agents }
+    }
+
+    fn server(&mut self, s: RawServer) -> ServerSettings {
+        let listen = match &s.listen {
+            Some(l) => l.get_ref().parse().unwrap_or_else(|_| {
+                self.problem(
+                    Some(l.span()),
+                    "server.listen",
+                    format!("{:?} is not an address like 0.0.0.0:50051", l.get_ref()),
+                );
+                defaults::LISTEN.parse().expect("the default listen address parses")
+            }),
+            None => defaults::LISTEN.parse().expect("the default listen address parses"),
+        };
+        for (v, f) in [
+            (s.max_concurrent_queries.map(|v| v as u64), "server.max_concurrent_queries"),
+            (s.max_message_bytes.map(|v| v as u64), "server.max_message_bytes"),
+            (s.hook_deadline_ms, "server.hook_deadline_ms"),
+            (s.hook_deadline_ceiling_ms, "server.hook_deadline_ceiling_ms"),
+            (s.query_deadline_ms, "server.query_deadline_ms"),
+            (s.tool_discovery_timeout_ms, "server.tool_discovery_timeout_ms"),
+        ] {
+            if v == Some(0) {
+                self.problem(None, f, "must be at least 1");
+            }
+        }
+        ServerSettings {
+            listen,
+            max_concurrent_queries: s.max_concurrent_queries.unwrap_or(defaults::MAX_CONCURRENT_QUERIES).max(1),
+            max_message_bytes: s.max_message_bytes.unwrap_or(defaults::MAX_MESSAGE_BYTES).max(1),
+            hook_deadline_ceiling: ms(s.hook_deadline_ceiling_ms.unwrap_or(defaults::HOOK_DEADLINE_CEILING_MS)),
+            query_deadline: ms(s.query_deadline_ms.unwrap_or(defaults::QUERY_DEADLINE_MS)),
+            max_delegation_depth: s.max_delegation_depth.unwrap_or(defaults::MAX_DELEGATION_DEPTH),
+            tool_discovery_timeout: ms(s.tool_discovery_timeout_ms.unwrap_or(defaults::TOOL_DISCOVERY_TIMEOUT_MS)),
+            trace_dir: s.trace_dir,
+            hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS)),
+        }
+    }
+
+    fn agent(&mut self, i: usize, a: RawAgent, agents: &HashSet<String>, server: &ServerSettings) -> AgentDef {
+        let at = |f: &str| format!("agents[{i}].{f}");
+        let name = a.name.get_ref().clone();
+        if !valid_name(&name) {
+            self.problem(Some(a.name.span()), at("name"), "must be 1-64 letters, digits, '_' or '-'");
+        }
+        let model_span = a.model.span();
+        let model = self.model(i, a.model.into_inner(), model_span);
+        let max_turns = self.positive(&a.max_turns, &at("max_turns"), defaults::MAX_TURNS);
+        let parallel_tool_calls =
+            self.positive(&a.parallel_tool_calls, &at("parallel_tool_calls"), defaults::PARALLEL_TOOL_CALLS);
+        let max_tool_calls_per_turn = self.positive(
+            &a.max_tool_calls_per_turn,
+            &at("max_tool_calls_per_turn"),
+            defaults::MAX_TOOL_CALLS_PER_TURN,
+        );
+
+        let mut tool_names: HashSet<String> = HashSet::new();
+        let mut tool_sources = Vec::new();
+        for (j, t) in a.tools.into_iter().enumerate() {
+            let f = at(&format!("tools[{j}]"));
+            self.endpoint(&t.endpoint, &format!("{f}.endpoint"));
+            if t.deadline_ms == Some(0) {
+                self.problem(Some(t.endpoint.span()), format!("{f}.deadline_ms"), "must be at least 1");
+            }
+            let declared = t.declare.map(|decls| {
+                decls
+                    .into_iter()
+                    .map(|d| {
+                        if !valid_name(&d.name) {
+                            self.problem(
+                                Some(t.endpoint.span()),
+                                format!("{f}.declare.name"),
+                                format!("{:?}: must be 1-64 letters, digits, '_' or '-'", d.name),
+                            );
+                        }
+                        if !tool_names.insert(d.name.clone()) {
+                            self.problem(
+                                Some(t.endpoint.span()),
+                                format!("{f}.declare.name"),
+                                format!("duplicate tool name {:?}", d.name),
+                            );
+                        }
+                        let mut schema = table_to_object(d.input_schema);
+                        schema.entry("type").or_insert_with(|| Value::from("object"));
+                        ToolSpec { name: d.name, description: d.description, input_schema: schema }
+                    })
+                    .collect()
+            });
+            tool_sources.push(ToolSourceDef {
+                endpoint: t.endpoint.into_inner(),
+                deadline: ms(t.deadline_ms.unwrap_or(defaults::TOOL_DEADLINE_MS).max(1)),
+                only: t.only,
+                declared,
+            });
+        }
+
+        let mut delegates = Vec::new();
+        for (j, d) in a.delegates.into_iter().enumerate() {
+            let f = at(&format!("delegates[{j}].agent"));
+            let target = d.agent.get_ref();
+            if target == &name {
+                self.problem(Some(d.agent.span()), &f, "an agent cannot delegate to itself");
+            } else if !agents.contains(target) {
+                self.problem(Some(d.agent.span()), &f, format!("no agent named {target:?}"));
+            }
+            let tool_name = d.tool_name.unwrap_or_else(|| target.clone());
+            if !valid_name(&tool_name) || !tool_names.insert(tool_name.clone()) {
+                self.problem(Some(d.agent.span()), &f, format!("tool name {tool_name:?} is invalid or already used"));
+            }
+            delegates.push(DelegateDef {
+                agent: d.agent.into_inner(),
+                tool_name,
+                description: d.description,
+                deadline: ms(d.deadline_ms.unwrap_or(defaults::QUERY_DEADLINE_MS).max(1)),
+            });
+        }
+
+        let mut hook_names = HashSet::new();
+        let mut hooks = Vec::new();
+        for (j, h) in a.hooks.into_iter().enumerate() {
+            let f = |x: &str| at(&format!("hooks[{j}].{x}"));
+            if !valid_name(h.name.get_ref()) {
+                self.problem(Some(h.name.span()), f("name"), "must be 1-64 letters, digits, '_' or '-'");
+            }
+            if !hook_names.insert(h.name.get_ref().clone()) {
+                self.problem(Some(h.name.span()), f("name"), format!("duplicate hook name {:?}", h.name.get_ref()));
+            }
+            self.endpoint(&h.endpoint, &f("endpoint"));
+            let mut events = HookEvents::default();
+            for e in h.events.get_ref() {
+                match e.as_str() {
+                    "tool_result" => events.tool_result = true,
+                    "model_request" => events.model_request = true,
+                    other => self.problem(
+                        Some(h.events.span()),
+                        f("events"),
+                        format!("unknown event {other:?} (expected \"tool_result\" or \"model_request\")"),
+                    ),
+                }
+            }
+            if h.events.get_ref().is_empty() {
+                self.problem(Some(h.events.span()), f("events"), "name at least one event");
+            }
+            let deadline = match &h.deadline_ms {
+                Some(d) if *d.get_ref() == 0 => {
+                    self.problem(Some(d.span()), f("deadline_ms"), "must be at least 1");
+                    server.hook_default_deadline
+                }
+                Some(d) => ms(*d.get_ref()),
+                None => server.hook_default_deadline,
+            };
+            hooks.push(HookDef {
+                name: h.name.into_inner(),
+                endpoint: h.endpoint.into_inner(),
+                events,
+                deadline: deadline.min(server.hook_deadline_ceiling),
+                enabled: h.enabled,
+            });
+        }
+
+        AgentDef {
+            name,
+            description: a.description,
+            system_prompt: a.system_prompt,
+            model,
+            max_turns,
+            parallel_tool_calls,
+            max_tool_calls_per_turn,
+            permissions: Permissions { allow: a.allow, deny: a.deny },
+            tool_sources,
+            delegates,
+            hooks,
+        }
+    }
+
+    fn model(&mut self, i: usize, m: RawModel, span: std::ops::Range<usize>) -> ModelConfig {
+        match m.provider.get_ref().as_str() {
+            "scripted" => {}
+            other => self.problem(
+                Some(m.provider.span()),
+                format!("agents[{i}].model.provider"),
+                format!("unknown provider {other:?} (known: \"scripted\")"),
+            ),
+        }
+        let mut script = Vec::new();
+        for (j, t) in m.script.into_iter().enumerate() {
+            let stop_reason = match t.stop_reason.as_deref() {
+                None => None,
+                Some("end_turn") => Some(StopReason::EndTurn),
+                Some("tool_use") => Some(StopReason::ToolUse),
+                Some("max_tokens") => Some(StopReason::MaxTokens),
+                Some("stop_sequence") => Some(StopReason::StopSequence),
+                Some(other) => {
+                    self.problem(
+                        Some(span.clone()),
+                        format!("agents[{i}].model.script[{j}].stop_reason"),
+                        format!("unknown stop reason {other:?}"),
+                    );
+                    None
+                }
+            };
+            script.push(ScriptTurn {
+                text: t.text,
+                tool_calls: t.tool_calls.into_iter().map(|c| (c.name, table_to_object(c.input))).collect(),
+                delay: ms(t.delay_ms),
+                stop_reason,
+            });
+        }
+        ModelConfig::Scripted { name: if m.name.is_empty() { "default".into() } else { m.name }, script }
+    }
+
+    /// Delegation must form no cycle: a cycle would recurse until the depth
+    /// limit on every query, so it is refused here.
+    fn cycles(&mut self, agents: &[AgentDef], spans: &[std::ops::Range<usize>]) {
+        let edges: HashMap<&str, Vec<&str>> =
+            agents.iter().map(|a| (a.name.as_str(), a.delegates.iter().map(|d| d.agent.as_str()).collect())).collect();
+        for (i, a) in agents.iter().enumerate() {
+            // Depth-first search from each agent for a path back to itself.
+            let mut stack: Vec<Vec<&str>> = vec![vec![a.name.as_str()]];
+            let mut visited = HashSet::new();
+            while let Some(path) = stack.pop() {
+                let last = *path.last().expect("paths are never empty");
+                for next in edges.get(last).into_iter().flatten() {
+                    if *next == a.name && path.len() > 1 {
+                        let cycle = path.join(" -> ") + " -> " + next;
+                        self.problem(
+                            Some(spans[i].clone()),
+                            format!("agents[{i}].delegates"),
+                            format!("delegation cycle: {cycle}"),
+                        );
+                        return;
+                    }
+                    if visited.insert(*next) {
+                        let mut p = path.clone();
+                        p.push(next);
+                        stack.push(p);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}

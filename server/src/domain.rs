@@ -1,0 +1,285 @@
+//! The server's own conversation types. The agent loop, the models and the
+//! hook chain speak these; proto types exist only at the edges (`convert`).
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// A JSON object (tool input, input schema).
+pub type JsonObject = Map<String, Value>;
+
+/// Who wrote a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The prompt and tool results.
+    User,
+    /// The model's replies.
+    Assistant,
+}
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    /// Who wrote it.
+    pub role: Role,
+    /// Its blocks, in order.
+    pub content: Vec<Block>,
+}
+
+/// One content block.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Block {
+    /// Plain text.
+    Text {
+        /// The text.
+        text: String,
+    },
+    /// A tool call requested by the model.
+    ToolUse(ToolUse),
+    /// The answer to a tool call.
+    ToolResult(ToolResult),
+}
+
+/// A tool call requested by the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolUse {
+    /// Unique within the conversation.
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The model's input.
+    pub input: JsonObject,
+}
+
+/// The result of a tool call, as the model sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The tool_use it answers.
+    pub tool_use_id: String,
+    /// Text blocks.
+    pub content: Vec<String>,
+    /// Whether the call failed (or a hook says so).
+    pub is_error: bool,
+}
+
+impl ToolResult {
+    /// A one-text-block result.
+    pub fn text(tool_use_id: &str, text: impl Into<String>, is_error: bool) -> Self {
+        Self { tool_use_id: tool_use_id.to_owned(), content: vec![text.into()], is_error }
+    }
+
+    /// Total text length in bytes (for logs: sizes, never content).
+    pub fn len(&self) -> usize {
+        self.content.iter().map(String::len).sum()
+    }
+
+    /// True when there is no text at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A tool offered to the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// The name the model calls it by.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// JSON Schema of its input.
+    pub input_schema: JsonObject,
+}
+
+/// What is sent to the model for one turn.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct ModelRequest {
+    /// The system prompt.
+    pub system: String,
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// The tools offered.
+    pub tools: Vec<ToolSpec>,
+}
+
+/// Why the model stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// It finished.
+    EndTurn,
+    /// It asks for tools.
+    ToolUse,
+    /// Output token limit.
+    MaxTokens,
+    /// A stop sequence.
+    StopSequence,
+    /// The agent's max_turns was reached (set by the loop, never by a model).
+    MaxTurns,
+}
+
+/// Token counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Usage {
+    /// Tokens read.
+    pub input_tokens: u64,
+    /// Tokens written.
+    pub output_tokens: u64,
+}
+
+impl std::ops::AddAssign for Usage {
+    fn add_assign(&mut self, rhs: Self) {
+        self.input_tokens += rhs.input_tokens;
+        self.output_tokens += rhs.output_tokens;
+    }
+}
+
+/// The model's reply for one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AssistantReply {
+    /// Text and tool_use blocks.
+    pub content: Vec<Block>,
+    /// Why it stopped.
+    pub stop_reason: StopReason,
+    /// Tokens used by this request.
+    pub usage: Usage,
+}
+
+impl AssistantReply {
+    /// The tool calls it asks for, in order.
+    pub fn tool_uses(&self) -> impl Iterator<Item = &ToolUse> {
+        self.content.iter().filter_map(|b| match b {
+            Block::ToolUse(t) => Some(t),
+            _ => None,
+        })
+    }
+}
+
+impl Message {
+    /// A user message with one text block.
+    pub fn user_text(text: impl Into<String>) -> Self {
+        Self { role: Role::User, content: vec![Block::Text { text: text.into() }] }
+    }
+
+    /// The concatenated text blocks.
+    pub fn text(&self) -> String {
+        text_of(&self.content)
+    }
+}
+
+/// The concatenated text blocks of a content list.
+pub fn text_of(content: &[Block]) -> String {
+    let mut out = String::new();
+    for b in content {
+        if let Block::Text { text } = b {
+            out.push_str(text);
+        }
+    }
+    out
+}
+
+/// Checks the pairing rules the model APIs enforce: the conversation starts
+/// with a user message, roles alternate, no message is empty, tool_use blocks
+/// appear only in assistant messages and each is answered by exactly one
+/// tool_result in the next (user) message, and every tool_result answers a
+/// tool_use of the message before it. An empty list is valid.
+///
+/// The error names positions and ids, never content.
+pub fn validate_conversation(messages: &[Message]) -> Result<(), String> {
+    let mut pending: Vec<&str> = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if i == 0 && m.role != Role::User {
+            return Err("the first message must have role user".into());
+        }
+        if i > 0 && messages[i - 1].role == m.role {
+            return Err(format!("messages {} and {i} have the same role; roles must alternate", i - 1));
+        }
+        if m.content.is_empty() {
+            return Err(format!("message {i} has no content"));
+        }
+        let mut answered: Vec<&str> = Vec::new();
+        for b in &m.content {
+            match (b, m.role) {
+                (Block::ToolUse(_), Role::User) => {
+                    return Err(format!("message {i} (user) holds a tool_use block"));
+                }
+                (Block::ToolResult(_), Role::Assistant) => {
+                    return Err(format!("message {i} (assistant) holds a tool_result block"));
+                }
+                (Block::ToolResult(r), Role::User) => {
+                    if !pending.contains(&r.tool_use_id.as_str()) {
+                        return Err(format!(
+                            "message {i}: tool_result {:?} answers no tool_use of the previous message",
+                            r.tool_use_id
+                        ));
+                    }
+                    if answered.contains(&r.tool_use_id.as_str()) {
+                        return Err(format!("message {i}: tool_use {:?} answered twice", r.tool_use_id));
+                    }
+                    answered.push(&r.tool_use_id);
+                }
+                _ => {}
+            }
+        }
+        if let Some(missing) = pending.iter().find(|id| !answered.contains(id)) {
+            return Err(format!("message {i}: tool_use {missing:?} has no tool_result"));
+        }
+        pending = m
+            .content
+            .iter()
+            .filter_map(|b| match b {
+                Block::ToolUse(t) => Some(t.id.as_str()),
+                _ => None,
+            })
+            .collect();
+    }
+    if let Some(missing) = pending.first() {
+        return Err(format!("tool_use {missing:?} in the last message has no tool_result"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool_use(id: &str) -> Block {
+        Block::ToolUse(ToolUse { id: id.into(), name: "t".into(), input: JsonObject::new() })
+    }
+    fn result(id: &str) -> Block {
+        Block::ToolResult(ToolResult::text(id, "r", false))
+    }
+    fn msg(role: Role, content: Vec<Block>) -> Message {
+        Message { role, content }
+    }
+
+    #[test]
+    fn valid_pairs_pass_and_broken_pairs_fail() {
+        let ok = vec![
+            Message::user_text("hi"),
+            msg(Role::Assistant, vec![tool_use("a"), tool_use("b")]),
+            msg(Role::User, vec![result("a"), result("b")]),
+        ];
+        assert_eq!(validate_conversation(&ok), Ok(()));
+        assert_eq!(validate_conversation(&[]), Ok(()));
+
+        let dangling = vec![Message::user_text("hi"), msg(Role::Assistant, vec![tool_use("a")])];
+        assert!(validate_conversation(&dangling).is_err());
+
+        let orphan = vec![msg(Role::User, vec![result("x")])];
+        assert!(validate_conversation(&orphan).is_err());
+
+        let half = vec![
+            Message::user_text("hi"),
+            msg(Role::Assistant, vec![tool_use("a"), tool_use("b")]),
+            msg(Role::User, vec![result("a")]),
+        ];
+        assert!(validate_conversation(&half).is_err());
+
+        let same_role = vec![Message::user_text("a"), Message::user_text("b")];
+        assert!(validate_conversation(&same_role).is_err());
+
+        let starts_assistant = vec![msg(Role::Assistant, vec![Block::Text { text: "x".into() }])];
+        assert!(validate_conversation(&starts_assistant).is_err());
+    }
+}

@@ -1,0 +1,123 @@
+//! Lattice: a gRPC service that runs LLM agents, with remote tools and a
+//! chain of remote hooks that shape what reaches the model.
+//!
+//! # Layout
+//! - [`config`]: the config file → a validated, typed config.
+//! - [`domain`], [`convert`]: the server's own conversation types, and their
+//!   conversions to and from proto (the only place those meet).
+//! - [`agent`]: the agent loop (domain types only).
+//! - [`hooks`]: the hook chain: order, deadlines, fail-closed.
+//! - [`tools`]: remote tool services, delegated agents, permissions.
+//! - [`model`]: the model trait and its providers.
+//! - [`session`]: stored conversations and the one-query-per-session lease.
+//! - [`trace`]: post-hook trace events.
+//! - [`service`], [`status`]: the gRPC service and its one status mapping.
+//! - [`example_tools`]: the customer-lookup tool service used by the quickstart.
+//!
+//! [`run`] serves a validated config on a bound listener until `shutdown`
+//! resolves; `main.rs` and the tests both call it.
+
+pub mod agent;
+pub mod client;
+pub mod config;
+pub mod convert;
+pub mod domain;
+pub mod example_tools;
+pub mod hooks;
+pub mod model;
+pub mod service;
+pub mod session;
+pub mod status;
+pub mod tools;
+pub mod trace;
+
+use std::{future::Future, sync::Arc};
+
+use lattice_proto::agent::v1::agent_service_server::AgentServiceServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::info;
+
+use crate::{agent::Runtime, config::Config, service::AgentSvc, session::MemoryStore};
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Agents could not be set up (tool discovery, endpoints).
+    #[error(transparent)]
+    Setup(#[from] agent::SetupError),
+    /// Reflection could not be built.
+    #[error("reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// The transport failed.
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves `config` on `listener` until `shutdown` resolves, then stops
+/// accepting, reports NOT_SERVING, and lets in-flight queries finish.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let runtime = Arc::new(Runtime::build(&config).await?);
+    let max = config.server.max_message_bytes;
+    let agents = AgentServiceServer::new(AgentSvc::new(runtime, Arc::new(MemoryStore::default())))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health.set_serving::<AgentServiceServer<AgentSvc>>().await;
+
+    // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(lattice_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(lattice_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let addr = listener.local_addr().ok();
+    info!(addr = ?addr, agents = config.agents.len(), "serving");
+    let shutdown = async move {
+        shutdown.await;
+        info!("shutting down: refusing new connections, finishing in-flight queries");
+        health.set_not_serving::<AgentServiceServer<AgentSvc>>().await;
+    };
+    tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(agents)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    info!("stopped");
+    Ok(())
+}
+
+/// Resolves on SIGTERM or Ctrl-C (Kubernetes stops pods with SIGTERM; a
+/// process running as PID 1 would otherwise ignore it).
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,161 @@
+//! The `lattice` binary: serve, check a config, run a query, or serve the
+//! example tools.
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use lattice_server::{client, config, example_tools, run, shutdown_signal};
+use tokio::net::TcpListener;
+use tracing_subscriber::{EnvFilter, fmt};
+
+/// EX_USAGE: the config (or the command line) is wrong.
+const EXIT_CONFIG: u8 = 64;
+
+#[derive(Parser)]
+#[command(name = "lattice", version, about = "Runs LLM agents over gRPC, with remote tools and remote hooks")]
+struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the agents of a config file.
+    Serve {
+        /// The config file (TOML).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Listen address (overrides server.listen).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+    /// Validate a config file and list every problem.
+    CheckConfig {
+        /// The config file (TOML).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Run one query and print its event stream.
+    Query {
+        /// The server, e.g. http://127.0.0.1:50051.
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        addr: String,
+        /// The agent.
+        #[arg(long)]
+        agent: String,
+        /// Continue this session.
+        #[arg(long)]
+        session: Option<String>,
+        /// Print each model request as sent (after the hooks).
+        #[arg(long)]
+        show_requests: bool,
+        /// The query's deadline in seconds.
+        #[arg(long, default_value_t = 120)]
+        timeout_secs: u64,
+        /// The prompt.
+        prompt: String,
+    },
+    /// Serve the example customer-lookup tool service.
+    ExampleTools {
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:50061")]
+        listen: SocketAddr,
+    },
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { config } => match config::load(&config) {
+            Ok(c) => {
+                println!("{}: OK ({} agent(s))", config.display(), c.agents.len());
+                for a in &c.agents {
+                    let hooks: Vec<&str> = a.hooks.iter().filter(|h| h.enabled).map(|h| h.name.as_str()).collect();
+                    println!("  {}: model {}, hooks [{}]", a.name, a.model.label(), hooks.join(" → "));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprint!("{e}");
+                ExitCode::from(EXIT_CONFIG)
+            }
+        },
+        Command::Serve { config, listen } => {
+            init_logs(cli.log_format);
+            let cfg = match config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprint!("{e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            let addr = listen.unwrap_or(cfg.server.listen);
+            let listener = match TcpListener::bind(addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("cannot listen on {addr}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match run(cfg, listener, shutdown_signal()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %e, "server failed");
+                    eprintln!("lattice: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Query { addr, agent, session, show_requests, timeout_secs, prompt } => {
+            let args = client::QueryArgs {
+                addr,
+                agent,
+                session,
+                prompt,
+                show_requests,
+                timeout: Duration::from_secs(timeout_secs),
+            };
+            let mut out = std::io::stdout();
+            match client::run_query(args, &mut out).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(_) => ExitCode::FAILURE,
+            }
+        }
+        Command::ExampleTools { listen } => {
+            init_logs(cli.log_format);
+            let listener = match TcpListener::bind(listen).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("cannot listen on {listen}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match example_tools::serve(listener, shutdown_signal()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("example tools: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! `scripted`: a deterministic offline model.
+//!
+//! It answers turn N of a query with entry N of its script: text and/or tool
+//! calls. Text may echo what the model received, so that a demo or a test
+//! shows exactly what reached the model (after the hooks):
+//!
+//! | placeholder | replaced by |
+//! |---|---|
+//! | `{{last_tool_result}}` | the text of the last tool_result block |
+//! | `{{last_user_text}}` | the last text block of a user message |
+//! | `{{system}}` | the system prompt |
+//! | `{{turn}}` | the 1-based turn |
+//! | `{{message_count}}` | the number of messages |
+//! | `{{tools}}` | the offered tool names, comma-separated |
+//! | `{{request}}` | every text of the request (system, texts, tool results), one per line |
+//!
+//! With no script it echoes the prompt; past the end of its script it ends
+//! the turn with empty text.
+
+use crate::{
+    config::ScriptTurn,
+    domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
+    model::{Model, ModelContext, ModelError},
+};
+
+/// The scripted model.
+#[derive(Debug, Clone)]
+pub struct Scripted {
+    script: Vec<ScriptTurn>,
+}
+
+impl Scripted {
+    /// A model answering from `script`.
+    pub fn new(script: Vec<ScriptTurn>) -> Self {
+        Self { script }
+    }
+}
+
+fn last_tool_result(req: &ModelRequest) -> String {
+    req.messages
+        .iter()
+        .flat_map(|m| m.content.iter())
+        .filter_map(|b| match b {
+            Block::ToolResult(r) => Some(r.content.join("")),
+            _ => None,
+        })
+        .next_back()
+        .unwrap_or_default()
+}
+
+fn last_user_text(req: &ModelRequest) -> String {
+    req.messages
+        .iter()
+        .filter(|m| m.role == Role::User)
+        .flat_map(|m| m.content.iter())
+        .filter_map(|b| match b {
+            Block::Text { text } => Some(text.clone()),
+            _ => None,
+        })
+        .next_back()
+        .unwrap_or_default()
+}
+
+fn all_text(req: &ModelRequest) -> String {
+    let mut lines = vec![req.system.clone()];
+    for b in req.messages.iter().flat_map(|m| m.content.iter()) {
+        match b {
+            Block::Text { text } => lines.push(text.clone()),
+            Block::ToolResult(r) => lines.push(r.content.join("")),
+            Block::ToolUse(_) => {}
+        }
+    }
+    lines.join("\n")
+}
+
+fn render(template: &str, req: &ModelRequest, turn: u32) -> String {
+    let mut out = template.to_owned();
+    let subs: [(&str, &dyn Fn() -> String); 7] = [
+        ("{{last_tool_result}}", &|| last_tool_result(req)),
+        ("{{last_user_text}}", &|| last_user_text(req)),
+        ("{{system}}", &|| req.system.clone()),
+        ("{{turn}}", &|| turn.to_string()),
+        ("{{message_count}}", &|| req.messages.len().to_string()),
+        ("{{tools}}", &|| req.tools.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
+        ("{{request}}", &|| all_text(req)),
+    ];
+    for (key, value) in subs {
+        if out.contains(key) {
+            out = out.replace(key, &value());
+        }
+    }
+    out
+}
+
+/// About four bytes a token: deterministic figures for the usage fields.
+fn tokens(bytes: usize) -> u64 {
+    bytes.div_ceil(4) as u64
+}
+
+#[tonic::async_trait]
+impl Model for Scripted {
+    async fn complete(&self, request: &ModelRequest, ctx: &ModelContext) -> Result<AssistantReply, ModelError> {
+        let idx = ctx.turn.saturating_sub(1) as usize;
+        let mut content = Vec::new();
+        let stop_reason = match (self.script.is_empty(), self.script.get(idx)) {
+            (true, _) => {
+                content.push(Block::Text { text: last_user_text(request) });
+                StopReason::EndTurn
+            }
+            (false, None) => {
+                content.push(Block::Text { text: String::new() });
+                StopReason::EndTurn
+            }
+            (false, Some(step)) => {
+                if !step.delay.is_zero() {
+                    tokio::time::sleep(step.delay).await;
+                }
+                if let Some(t) = &step.text {
+                    content.push(Block::Text { text: render(t, request, ctx.turn) });
+                }
+                let prefix: String = ctx.query_id.chars().filter(|c| *c != '-').take(12).collect();
+                for (i, (name, input)) in step.tool_calls.iter().enumerate() {
+                    content.push(Block::ToolUse(ToolUse {
+                        id: format!("toolu_{prefix}_{}_{}", ctx.turn, i + 1),
+                        name: name.clone(),
+                        input: input.clone(),
+                    }));
+                }
+                step.stop_reason.unwrap_or(if step.tool_calls.is_empty() {
+                    StopReason::EndTurn
+                } else {
+                    StopReason::ToolUse
+                })
+            }
+        };
+        let in_bytes = serde_json::to_vec(request).map(|v| v.len()).unwrap_or(0);
+        let out_bytes = serde_json::to_vec(&content).map(|v| v.len()).unwrap_or(0);
+        Ok(AssistantReply {
+            content,
+            stop_reason,
+            usage: Usage { input_tokens: tokens(in_bytes), output_tokens: tokens(out_bytes) },
+        })
+    }
+}

@@ -1,0 +1,307 @@
+//! `lattice.agent.v1.AgentService`: request validation, the event stream and
+//! status mapping. The loop itself lives in `agent`.
+
+use std::{pin::Pin, sync::Arc, time::Duration};
+
+use futures_util::Stream;
+use lattice_proto::agent::v1::{self as pb, agent_service_server::AgentService, query_event::Event as PbEvent};
+use tokio::{
+    sync::{Semaphore, mpsc},
+    time::Instant,
+};
+use tokio_stream::{StreamExt, wrappers::ReceiverStream};
+use tonic::{Request, Response, Status};
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::{
+    agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
+    convert,
+    session::{SessionStore, StoreError},
+    status,
+    tools::{Binding, CallOutcome},
+    trace::{TraceEvent, TraceScope},
+};
+
+/// How long past the query's deadline the loop may take to report its own,
+/// more precise error (a hook that hit the deadline) before it is dropped.
+const DEADLINE_GRACE: Duration = Duration::from_millis(20);
+
+/// The service.
+#[derive(Debug, Clone)]
+pub struct AgentSvc {
+    runtime: Arc<Runtime>,
+    store: Arc<dyn SessionStore>,
+    /// Queries in flight across all sessions; the excess is refused.
+    queries: Arc<Semaphore>,
+}
+
+impl AgentSvc {
+    /// A service over `runtime` and `store`.
+    pub fn new(runtime: Arc<Runtime>, store: Arc<dyn SessionStore>) -> Self {
+        let limit = runtime.settings.max_concurrent_queries;
+        Self { runtime, store, queries: Arc::new(Semaphore::new(limit)) }
+    }
+}
+
+/// Parses a `grpc-timeout` header: 1-8 digits and a unit (H M S m u n).
+fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// Session ids are server-made UUIDs; anything else cannot exist.
+fn plausible_session_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::QueryEvent, Status>> + Send>>;
+
+/// What the driver task sends to the response stream.
+enum Out {
+    Event(PbEvent),
+    Fail(Status),
+}
+
+fn event_to_pb(e: Event) -> PbEvent {
+    match e {
+        Event::ModelRequest { turn, request } => {
+            PbEvent::ModelRequest(pb::ModelRequestEvent { turn, ..(&request).into() })
+        }
+        Event::Assistant { turn, content } => PbEvent::Assistant(pb::AssistantMessageEvent {
+            turn,
+            message: Some(pb::Message {
+                role: pb::Role::Assistant as i32,
+                content: content.iter().map(Into::into).collect(),
+            }),
+        }),
+        Event::ToolResult { turn, tool_name, result, outcome, duration } => PbEvent::ToolResult(pb::ToolResultEvent {
+            turn,
+            tool_name,
+            result: Some((&result).into()),
+            outcome: match outcome {
+                CallOutcome::Executed => pb::ToolCallOutcome::Executed,
+                CallOutcome::Failed | CallOutcome::Cancelled => pb::ToolCallOutcome::Failed,
+                CallOutcome::Blocked => pb::ToolCallOutcome::Blocked,
+            } as i32,
+            duration_ms: duration.as_millis() as u64,
+        }),
+    }
+}
+
+fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
+    let d = &a.def;
+    pb::Agent {
+        name: d.name.clone(),
+        description: d.description.clone(),
+        model: d.model.label(),
+        max_turns: d.max_turns,
+        tools: a
+            .tools
+            .specs
+            .iter()
+            .map(|s| {
+                let b = a.tools.bindings.get(&s.name);
+                pb::AgentTool {
+                    spec: Some(s.into()),
+                    target: b.map(Binding::target).unwrap_or_default(),
+                    deadline_ms: b.map(|b| b.deadline().as_millis() as u64).unwrap_or_default(),
+                }
+            })
+            .collect(),
+        hooks: d
+            .hooks
+            .iter()
+            .map(|h| pb::Hook {
+                name: h.name.clone(),
+                endpoint: h.endpoint.clone(),
+                events: [(h.events.tool_result, "tool_result"), (h.events.model_request, "model_request")]
+                    .into_iter()
+                    .filter_map(|(on, n)| on.then(|| n.to_owned()))
+                    .collect(),
+                deadline_ms: h.deadline.as_millis() as u64,
+                enabled: h.enabled,
+            })
+            .collect(),
+        parallel_tool_calls: d.parallel_tool_calls as u32,
+        max_tool_calls_per_turn: d.max_tool_calls_per_turn as u32,
+        allow: d.permissions.allow.clone(),
+        deny: d.permissions.deny.clone(),
+    }
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentSvc {
+    type QueryStream = EventStream;
+
+    async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<Self::QueryStream>, Status> {
+        let budget = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout)
+            .map_or(self.runtime.settings.query_deadline, |d| d.min(self.runtime.settings.query_deadline));
+        let deadline = Instant::now() + budget;
+        let req = request.into_inner();
+        let agent = self
+            .runtime
+            .agent(&req.agent)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("no agent named {:?}", req.agent)))?;
+        if req.prompt.trim().is_empty() {
+            return Err(Status::invalid_argument("prompt must not be empty"));
+        }
+        let (session_id, create) = match req.session_id {
+            Some(id) if !plausible_session_id(&id) => return Err(Status::not_found("session not found")),
+            Some(id) => (id, false),
+            None => (uuid::Uuid::new_v4().to_string(), true),
+        };
+        let permit = self
+            .queries
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Status::resource_exhausted("too many queries in flight; retry later"))?;
+        let lease = self.store.lease(&session_id, &agent.def.name, create).map_err(|e| status::store_error(&e))?;
+        if lease.session.agent != agent.def.name {
+            return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
+        }
+        let query_id = uuid::Uuid::new_v4().to_string();
+        let span = info_span!("query", agent = %agent.def.name, session_id = %session_id, query_id = %query_id);
+        info!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
+
+        let (out_tx, out_rx) = mpsc::channel::<Out>(32);
+        let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(32);
+        let runtime = self.runtime.clone();
+        let ctx = RunCtx {
+            query_id: query_id.clone(),
+            session_id: session_id.clone(),
+            deadline,
+            depth: 0,
+            events: Some(ev_tx),
+            include_model_requests: req.include_model_requests,
+        };
+        let started = pb::QueryStarted { query_id, session_id: session_id.clone(), agent: agent.def.name.clone() };
+        let driver = async move {
+            let _permit = permit;
+            let scope = TraceScope { agent: agent.def.name.clone(), session_id, query_id: ctx.query_id.clone() };
+            let _ = out_tx.send(Out::Event(PbEvent::Started(started))).await;
+            let history = lease.session.messages.clone();
+            let run = runtime.run(&agent, &ctx, history, req.prompt);
+            // Events are forwarded while the loop runs; the loop future and
+            // everything in flight under it are dropped on cancel/deadline.
+            let forward = async {
+                while let Some(e) = ev_rx.recv().await {
+                    if out_tx.send(Out::Event(event_to_pb(e))).await.is_err() {
+                        break;
+                    }
+                }
+            };
+            let mut forward = std::pin::pin!(forward);
+            let began = Instant::now();
+            let outcome = tokio::select! {
+                r = tokio::time::timeout_at(deadline + DEADLINE_GRACE, run) => r.unwrap_or(Err(AgentError::DeadlineExceeded)),
+                _ = out_tx.closed() => Err(AgentError::Cancelled),
+                () = &mut forward => Err(AgentError::Cancelled),
+            };
+            drop(ctx); // the last event sender: lets `forward` finish
+            forward.await; // flush events sent before the outcome
+            let elapsed_ms = began.elapsed().as_millis() as u64;
+            match outcome {
+                Ok(out) => {
+                    let (text, stop_reason, turns, usage) = (out.text, out.stop_reason, out.turns, out.usage);
+                    // Committed, and the session released, before the client
+                    // sees the result: its next query finds the session free.
+                    lease.commit(out.messages);
+                    runtime.tracer().emit(&scope, TraceEvent::Result { text: &text, stop_reason, turns, usage }).await;
+                    info!(
+                        turns,
+                        input_tokens = usage.input_tokens,
+                        output_tokens = usage.output_tokens,
+                        elapsed_ms,
+                        "query succeeded"
+                    );
+                    let result = pb::FinalResult {
+                        text,
+                        stop_reason: pb::StopReason::from(stop_reason) as i32,
+                        turns,
+                        usage: Some(usage.into()),
+                    };
+                    let _ = out_tx.send(Out::Event(PbEvent::Result(result))).await;
+                }
+                Err(e) => {
+                    drop(lease);
+                    let st = status::agent_error(&e);
+                    runtime
+                        .tracer()
+                        .emit(&scope, TraceEvent::Error { code: &format!("{:?}", st.code()), message: st.message() })
+                        .await;
+                    warn!(code = ?st.code(), error = %e, elapsed_ms, "query failed");
+                    let _ = out_tx.send(Out::Fail(st)).await;
+                }
+            }
+        };
+        tokio::spawn(driver.instrument(span));
+        let stream = ReceiverStream::new(out_rx).map(|o| match o {
+            Out::Event(e) => Ok(pb::QueryEvent { event: Some(e) }),
+            Out::Fail(s) => Err(s),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        Ok(Response::new(pb::ListAgentsResponse { agents: self.runtime.agents().map(|a| agent_to_pb(a)).collect() }))
+    }
+
+    async fn get_agent(&self, request: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
+        let name = request.into_inner().name;
+        let agent = self.runtime.agent(&name).ok_or_else(|| Status::not_found(format!("no agent named {name:?}")))?;
+        Ok(Response::new(agent_to_pb(agent)))
+    }
+
+    async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
+        let id = request.into_inner().session_id;
+        let s = self.store.get(&id).map_err(|e| status::store_error(&e))?;
+        Ok(Response::new(pb::Session {
+            session_id: id,
+            agent: s.agent,
+            messages: convert::messages_to_pb(&s.messages),
+        }))
+    }
+
+    async fn delete_session(
+        &self,
+        request: Request<pb::DeleteSessionRequest>,
+    ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        let id = request.into_inner().session_id;
+        self.store.delete(&id).map_err(|e: StoreError| status::store_error(&e))?;
+        info!(session_id = %id, "session deleted");
+        Ok(Response::new(pb::DeleteSessionResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_headers_parse() {
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_grpc_timeout("100u"), Some(Duration::from_micros(100)));
+        assert_eq!(parse_grpc_timeout("123456789m"), None);
+        assert_eq!(parse_grpc_timeout("m"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+        assert_eq!(parse_grpc_timeout("5x"), None);
+    }
+}

@@ -1,0 +1,102 @@
+//! The one mapping from errors to gRPC statuses.
+//!
+//! Clients get a short message that never holds content, plus
+//! machine-readable details (`google.rpc.ErrorInfo`, domain `lattice.dev`).
+
+use std::collections::HashMap;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::{
+    agent::AgentError,
+    hooks::{HookError, HookFailure, HookSubject},
+    model::{ModelError, ModelErrorKind},
+    session::StoreError,
+};
+
+/// The ErrorInfo domain of every Lattice error.
+pub const DOMAIN: &str = "lattice.dev";
+/// ErrorInfo reason of a hook failure.
+pub const HOOK_FAILED: &str = "HOOK_FAILED";
+/// ErrorInfo reason of a model failure.
+pub const MODEL_FAILED: &str = "MODEL_FAILED";
+
+/// The status a failed query ends with.
+pub fn agent_error(e: &AgentError) -> Status {
+    match e {
+        AgentError::Hook(h) => hook_error(h),
+        AgentError::Model(m) => model_error(m),
+        AgentError::DeadlineExceeded => Status::deadline_exceeded("the query's deadline passed"),
+        AgentError::Cancelled => Status::cancelled("the query was cancelled"),
+    }
+}
+
+/// ABORTED + ErrorInfo(HOOK_FAILED) with hook, event, subject and kind.
+pub fn hook_error(e: &HookError) -> Status {
+    let mut meta = HashMap::from([
+        ("agent".to_owned(), e.agent.clone()),
+        ("hook".to_owned(), e.hook.clone()),
+        ("event".to_owned(), e.event.as_str().to_owned()),
+        ("kind".to_owned(), e.failure.kind().to_owned()),
+    ]);
+    match &e.subject {
+        HookSubject::ToolUse(id) => meta.insert("tool_use_id".into(), id.clone()),
+        HookSubject::Turn(t) => meta.insert("turn".into(), t.to_string()),
+    };
+    if let HookFailure::Status(code) = &e.failure {
+        meta.insert("code".into(), format!("{code:?}"));
+    }
+    Status::with_error_details(Code::Aborted, e.to_string(), ErrorDetails::with_error_info(HOOK_FAILED, DOMAIN, meta))
+}
+
+fn model_error(e: &ModelError) -> Status {
+    let code = match e.kind {
+        ModelErrorKind::Unavailable => Code::Unavailable,
+        ModelErrorKind::Unauthenticated => Code::Unauthenticated,
+        ModelErrorKind::PermissionDenied => Code::PermissionDenied,
+        ModelErrorKind::InvalidRequest => Code::FailedPrecondition,
+        ModelErrorKind::InvalidResponse => Code::Internal,
+    };
+    let meta = HashMap::from([("provider".to_owned(), e.provider.clone())]);
+    Status::with_error_details(code, e.to_string(), ErrorDetails::with_error_info(MODEL_FAILED, DOMAIN, meta))
+}
+
+/// Session store errors.
+pub fn store_error(e: &StoreError) -> Status {
+    match e {
+        StoreError::NotFound => Status::not_found("session not found"),
+        StoreError::Busy => Status::failed_precondition("another query is running in this session"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hooks::HookEvent;
+
+    #[test]
+    fn hook_errors_abort_with_error_info() {
+        let e = HookError {
+            agent: "a".into(),
+            hook: "redact".into(),
+            event: HookEvent::ToolResult,
+            subject: HookSubject::ToolUse("toolu_1".into()),
+            failure: HookFailure::Status(Code::Unimplemented),
+        };
+        let s = hook_error(&e);
+        assert_eq!(s.code(), Code::Aborted);
+        let info = s.get_details_error_info().expect("error info");
+        assert_eq!(info.reason, HOOK_FAILED);
+        assert_eq!(info.metadata["hook"], "redact");
+        assert_eq!(info.metadata["event"], "tool_result");
+        assert_eq!(info.metadata["tool_use_id"], "toolu_1");
+        assert_eq!(info.metadata["kind"], "status");
+        assert_eq!(info.metadata["code"], "Unimplemented");
+        for (e, code) in
+            [(AgentError::DeadlineExceeded, Code::DeadlineExceeded), (AgentError::Cancelled, Code::Cancelled)]
+        {
+            assert_eq!(agent_error(&e).code(), code);
+        }
+    }
+}
