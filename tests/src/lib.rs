@@ -1,1 +1,455 @@
+//! Test harness for Lattice's black-box tests: a Lattice server on
+//! `127.0.0.1:0` (the same `run` the binary calls), scripted hook and tool
+//! services as real tonic servers on loopback, log capture, and helpers to
+//! run a query and look for a canary secret in every sink.
 
+pub mod hook;
+pub mod tool;
+
+use std::{
+    io::Write,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+use lattice_proto::agent::v1::{self as pb, agent_service_client::AgentServiceClient, query_event::Event};
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tokio_stream::StreamExt;
+use tonic::{Status, transport::Channel};
+
+// ------------------------------------------------------------------ logs ----
+
+#[derive(Clone, Default)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+static LOGS: OnceLock<LogBuffer> = OnceLock::new();
+
+/// Captures every log line of this test process at TRACE level (payloads
+/// included), so a test can prove a value never reached a log.
+pub fn capture_logs() {
+    LOGS.get_or_init(|| {
+        let buf = LogBuffer::default();
+        let writer = buf.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .try_init();
+        buf
+    });
+}
+
+/// Everything logged so far.
+pub fn logs() -> String {
+    LOGS.get().map(|b| String::from_utf8_lossy(&b.0.lock().unwrap()).into_owned()).unwrap_or_default()
+}
+
+// --------------------------------------------------------------- lattice ----
+
+/// A running Lattice server.
+pub struct Lattice {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// Its JSONL trace directory.
+    pub trace_dir: PathBuf,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<Result<(), String>>>,
+}
+
+/// A fresh empty directory under the system temp dir.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("lattice-test-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+impl Lattice {
+    /// Starts Lattice with `config` (TOML). A `[server]` table with a
+    /// `trace_dir` is added unless the config has one.
+    pub async fn start(config: &str) -> Lattice {
+        Self::try_start(config).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
+    }
+
+    /// Like [`Lattice::start`], returning the config or start-up error.
+    pub async fn try_start(config: &str) -> Result<Lattice, String> {
+        capture_logs();
+        let trace_dir = temp_dir("trace");
+        let config = if config.contains("[server]") {
+            config.replacen("[server]", &format!("[server]\ntrace_dir = {:?}", trace_dir.display().to_string()), 1)
+        } else {
+            format!("{config}\n[server]\ntrace_dir = {:?}\n", trace_dir.display().to_string())
+        };
+        let cfg = lattice_server::config::parse(&config, Path::new("test.toml")).map_err(|e| e.to_string())?;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(async move {
+            lattice_server::run(cfg, listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(|e| e.to_string())
+        });
+        let mut lattice = Lattice { url: format!("http://{addr}"), trace_dir, shutdown: Some(tx), handle: Some(handle) };
+        // Ready when health answers (set-up, e.g. tool discovery, is done);
+        // a set-up error ends `run` early.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if lattice.handle.as_ref().is_some_and(JoinHandle::is_finished) {
+                let h = lattice.handle.take().unwrap();
+                return Err(h.await.map_err(|e| e.to_string())?.err().unwrap_or_else(|| "stopped".into()));
+            }
+            if lattice.healthy().await {
+                return Ok(lattice);
+            }
+            if Instant::now() > deadline {
+                return Err("lattice did not become healthy within 15 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn healthy(&self) -> bool {
+        let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
+            return false;
+        };
+        let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
+        h.check(tonic_health::pb::HealthCheckRequest { service: "lattice.agent.v1.AgentService".into() })
+            .await
+            .is_ok_and(|r| r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+    }
+
+    /// A client.
+    pub async fn client(&self) -> AgentServiceClient<Channel> {
+        let ch = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await.unwrap();
+        AgentServiceClient::new(ch).max_decoding_message_size(64 << 20)
+    }
+
+    /// Runs a query to its end.
+    pub async fn query(&self, agent: &str, prompt: &str) -> Outcome {
+        self.query_with(QueryOpts { agent: agent.into(), prompt: prompt.into(), ..Default::default() }).await
+    }
+
+    /// Runs a query with options to its end.
+    pub async fn query_with(&self, opts: QueryOpts) -> Outcome {
+        let mut client = self.client().await;
+        let mut req = tonic::Request::new(pb::QueryRequest {
+            agent: opts.agent,
+            session_id: opts.session,
+            prompt: opts.prompt,
+            include_model_requests: true,
+        });
+        if let Some(t) = opts.timeout {
+            // Sent as a header only, so that the client sees Lattice's own
+            // status rather than its local timer's.
+            let v = format!("{}m", t.as_millis());
+            req.metadata_mut().insert("grpc-timeout", v.parse().unwrap());
+        }
+        let started = Instant::now();
+        let mut out = Outcome { events: vec![], status: None, elapsed: Duration::ZERO };
+        match client.query(req).await {
+            Err(s) => out.status = Some(s),
+            Ok(resp) => {
+                let mut stream = resp.into_inner();
+                while let Some(item) = stream.next().await {
+                    match item {
+                        Ok(e) => out.events.push(e),
+                        Err(s) => {
+                            out.status = Some(s);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        out.elapsed = started.elapsed();
+        out
+    }
+
+    /// The stored conversation of a session.
+    pub async fn session(&self, id: &str) -> Result<pb::Session, Status> {
+        self.client().await.get_session(pb::GetSessionRequest { session_id: id.into() }).await.map(|r| r.into_inner())
+    }
+
+    /// Everything in the trace directory.
+    pub fn traces(&self) -> String {
+        let mut all = String::new();
+        if let Ok(entries) = std::fs::read_dir(&self.trace_dir) {
+            for e in entries.flatten() {
+                all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+            }
+        }
+        all
+    }
+
+    /// Stops the server.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(h) = self.handle.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
+        }
+    }
+}
+
+impl Drop for Lattice {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Query options.
+#[derive(Debug, Clone, Default)]
+pub struct QueryOpts {
+    /// Agent.
+    pub agent: String,
+    /// Prompt.
+    pub prompt: String,
+    /// Session to continue.
+    pub session: Option<String>,
+    /// grpc-timeout to send.
+    pub timeout: Option<Duration>,
+}
+
+/// A finished query.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Every event received.
+    pub events: Vec<pb::QueryEvent>,
+    /// The error status (`None` = OK).
+    pub status: Option<Status>,
+    /// From request to the end of the stream.
+    pub elapsed: Duration,
+}
+
+impl Outcome {
+    /// Panics unless the query succeeded; returns the final result.
+    pub fn ok(&self) -> &pb::FinalResult {
+        if let Some(s) = &self.status {
+            panic!("query failed: {:?} {}", s.code(), s.message());
+        }
+        self.final_result().expect("a final result")
+    }
+
+    /// The final result, if any.
+    pub fn final_result(&self) -> Option<&pb::FinalResult> {
+        self.events.iter().find_map(|e| match &e.event {
+            Some(Event::Result(r)) => Some(r),
+            _ => None,
+        })
+    }
+
+    /// The session id from the started event.
+    pub fn session_id(&self) -> String {
+        self.events
+            .iter()
+            .find_map(|e| match &e.event {
+                Some(Event::Started(s)) => Some(s.session_id.clone()),
+                _ => None,
+            })
+            .expect("a started event")
+    }
+
+    /// Tool result events, in order.
+    pub fn tool_results(&self) -> Vec<&pb::ToolResultEvent> {
+        self.events
+            .iter()
+            .filter_map(|e| match &e.event {
+                Some(Event::ToolResult(t)) => Some(t),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The text of each tool result event, in order.
+    pub fn tool_texts(&self) -> Vec<String> {
+        self.tool_results().iter().map(|t| result_text(t.result.as_ref().unwrap())).collect()
+    }
+
+    /// Model request events, in order.
+    pub fn model_requests(&self) -> Vec<&pb::ModelRequestEvent> {
+        self.events
+            .iter()
+            .filter_map(|e| match &e.event {
+                Some(Event::ModelRequest(r)) => Some(r),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Assistant texts, in order.
+    pub fn assistant_texts(&self) -> Vec<String> {
+        self.events
+            .iter()
+            .filter_map(|e| match &e.event {
+                Some(Event::Assistant(a)) => Some(message_text(a.message.as_ref().unwrap())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The error status's code, or OK.
+    pub fn code(&self) -> tonic::Code {
+        self.status.as_ref().map_or(tonic::Code::Ok, |s| s.code())
+    }
+
+    /// Everything the client received, as text (for canary searches).
+    pub fn everything(&self) -> String {
+        let mut s = format!("{:?}", self.events);
+        if let Some(st) = &self.status {
+            s.push_str(&format!("{st:?} {}", String::from_utf8_lossy(st.details())));
+        }
+        s
+    }
+
+    /// The HOOK_FAILED ErrorInfo metadata, panicking if the query did not
+    /// end with ABORTED + HOOK_FAILED.
+    pub fn hook_failure(&self) -> std::collections::HashMap<String, String> {
+        use tonic_types::StatusExt;
+        let st = self.status.as_ref().expect("the query should have failed");
+        assert_eq!(st.code(), tonic::Code::Aborted, "{st:?}");
+        let info = st.get_details_error_info().expect("ErrorInfo details");
+        assert_eq!(info.reason, "HOOK_FAILED");
+        assert_eq!(info.domain, "lattice.dev");
+        assert!(self.final_result().is_none(), "a failed query must not also have a final result");
+        info.metadata
+    }
+}
+
+/// The text blocks of a tool result.
+pub fn result_text(r: &pb::ToolResultBlock) -> String {
+    r.content.iter().map(|t| t.text.as_str()).collect()
+}
+
+/// The text blocks of a message.
+pub fn message_text(m: &pb::Message) -> String {
+    m.content
+        .iter()
+        .filter_map(|b| match &b.block {
+            Some(pb::content_block::Block::Text(t)) => Some(t.text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Asserts that `canary` reached no sink: the client's events and status,
+/// the trace files and the captured logs.
+pub fn assert_no_leak(canary: &str, lattice: &Lattice, outcome: &Outcome) {
+    assert!(!outcome.everything().contains(canary), "canary reached the client: {}", outcome.everything());
+    assert!(!lattice.traces().contains(canary), "canary reached the trace");
+    assert!(!logs().contains(canary), "canary reached the logs");
+}
+
+/// A unique canary secret.
+pub fn canary() -> String {
+    format!("CANARY-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos() ^ rand_u64())
+}
+
+fn rand_u64() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+}
+
+/// Binds 127.0.0.1:0 and returns the listener and its URL.
+pub async fn bind() -> (TcpListener, SocketAddr) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap();
+    (l, a)
+}
+
+/// A port nothing listens on (bound, then released).
+pub async fn dead_url() -> String {
+    let (l, a) = bind().await;
+    drop(l);
+    format!("http://{a}")
+}
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_owned()
+}
+
+/// A binary of the workspace (built before the tests: see the README).
+pub fn workspace_binary(rel: &str) -> PathBuf {
+    let dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
+    let path = dir.join("debug").join(rel);
+    assert!(
+        path.exists(),
+        "{} is missing: build it first with `cargo build --workspace --bins --examples` (the README's test command does)",
+        path.display()
+    );
+    path
+}
+
+/// TOML fragments for test configs. Compose in this order per agent:
+/// `agent(..)`, `turn(..)`*, then `tools(..)`/`hook(..)`/`delegate(..)`.
+pub mod cfg {
+    /// An agent with the scripted model; `keys` are extra agent keys
+    /// (`max_turns = 2` …), one per line.
+    pub fn agent(name: &str, keys: &str) -> String {
+        format!("\n[[agents]]\nname = {name:?}\n{keys}\n[agents.model]\nprovider = \"scripted\"\n")
+    }
+
+    /// A scripted turn: text and tool calls (`name` or `name:{json input}`).
+    pub fn turn(text: &str, calls: &[&str]) -> String {
+        let calls: Vec<String> = calls
+            .iter()
+            .map(|c| match c.split_once(':') {
+                Some((name, input)) => format!("{{ name = {name:?}, input = {input} }}"),
+                None => format!("{{ name = {c:?} }}"),
+            })
+            .collect();
+        format!("[[agents.model.script]]\ntext = {text:?}\ntool_calls = [{}]\n", calls.join(", "))
+    }
+
+    /// A scripted turn with a delay.
+    pub fn slow_turn(text: &str, delay_ms: u64) -> String {
+        format!("[[agents.model.script]]\ntext = {text:?}\ndelay_ms = {delay_ms}\n")
+    }
+
+    /// A tool service (tools discovered with ListTools).
+    pub fn tools(url: &str, deadline_ms: u64) -> String {
+        format!("[[agents.tools]]\nendpoint = {url:?}\ndeadline_ms = {deadline_ms}\n")
+    }
+
+    /// A tool service with declared tools (no discovery).
+    pub fn declared_tools(url: &str, deadline_ms: u64, names: &[&str]) -> String {
+        let mut s = format!("[[agents.tools]]\nendpoint = {url:?}\ndeadline_ms = {deadline_ms}\n");
+        for n in names {
+            s.push_str(&format!("[[agents.tools.declare]]\nname = {n:?}\n"));
+        }
+        s
+    }
+
+    /// A hook.
+    pub fn hook(name: &str, url: &str, events: &[&str], deadline_ms: u64) -> String {
+        format!("[[agents.hooks]]\nname = {name:?}\nendpoint = {url:?}\nevents = {events:?}\ndeadline_ms = {deadline_ms}\n")
+    }
+
+    /// A disabled hook.
+    pub fn disabled_hook(name: &str, url: &str, events: &[&str]) -> String {
+        format!("[[agents.hooks]]\nname = {name:?}\nendpoint = {url:?}\nevents = {events:?}\nenabled = false\n")
+    }
+
+    /// A delegated agent as a tool.
+    pub fn delegate(agent: &str) -> String {
+        format!("[[agents.delegates]]\nagent = {agent:?}\ndescription = \"delegate\"\n")
+    }
+}

@@ -1,0 +1,387 @@
+//! The core agent service over real gRPC: the loop, tools, sessions,
+//! delegation, cancellation and bad input.
+
+use std::time::Duration;
+
+use lattice_proto::agent::v1::{self as pb, ToolCallOutcome};
+use lattice_tests::{
+    Lattice, QueryOpts, cfg,
+    tool::{ToolDef, ToolServer},
+};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+/// One tool call: the model asks, the tool answers, and the result reaches
+/// the model (echoed back) and the client, in that order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_result_reaches_the_model() {
+    let tools = ToolServer::start(vec![ToolDef::new("lookup", "found {input}")]).await;
+    let config = cfg::agent("a", "")
+        + &cfg::turn("looking", &["lookup:{ q = \"ada\" }"])
+        + &cfg::turn("model saw: {{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "find ada").await;
+    let result = out.ok();
+    assert_eq!(result.text, r#"model saw: found {"q":"ada"}"#);
+    assert_eq!(result.turns, 2);
+    assert_eq!(result.stop_reason, pb::StopReason::EndTurn as i32);
+    assert!(result.usage.unwrap().input_tokens > 0);
+    assert_eq!(out.tool_texts(), vec![r#"found {"q":"ada"}"#]);
+    assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Executed as i32);
+    assert_eq!(tools.state.called(), vec!["lookup"]);
+}
+
+/// Several tool calls in one reply each get exactly one result, in
+/// tool_use order, and the model sees them all.
+#[tokio::test(flavor = "multi_thread")]
+async fn several_tool_calls_get_one_result_each_in_order() {
+    let tools = ToolServer::start(vec![ToolDef::new("one", "r1"), ToolDef::new("two", "r2"), ToolDef::new("three", "r3")]).await;
+    let config = cfg::agent("a", "parallel_tool_calls = 3")
+        + &cfg::turn("go", &["one", "two", "three"])
+        + &cfg::turn("{{request}}", &[])
+        + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    let text = out.ok().text.clone();
+    assert_eq!(out.tool_texts(), vec!["r1", "r2", "r3"]);
+    let ids: Vec<String> = out.tool_results().iter().map(|t| t.result.as_ref().unwrap().tool_use_id.clone()).collect();
+    let mut unique = ids.clone();
+    unique.dedup();
+    assert_eq!(unique.len(), 3);
+    assert!(text.contains("r1\nr2\nr3"), "{text}");
+}
+
+/// parallel_tool_calls = 3 runs three slow calls at once; the default runs
+/// them one after the other.
+#[tokio::test(flavor = "multi_thread")]
+async fn parallel_and_sequential_tool_calls() {
+    for (keys, expected_overlap) in [("parallel_tool_calls = 3", 3), ("", 1)] {
+        let slow = Duration::from_millis(300);
+        let tools = ToolServer::start(vec![ToolDef::new("slow", "ok").delay(slow)]).await;
+        let config = cfg::agent("a", keys) + &cfg::turn("go", &["slow", "slow", "slow"]) + &cfg::tools(&tools.url, 5000);
+        let lattice = Lattice::start(&config).await;
+        let out = lattice.query("a", "go").await;
+        out.ok();
+        assert_eq!(tools.state.max_active.load(std::sync::atomic::Ordering::SeqCst), expected_overlap, "{keys:?}");
+        if expected_overlap == 1 {
+            assert!(out.elapsed >= slow * 3, "sequential took {:?}", out.elapsed);
+        } else {
+            assert!(out.elapsed < slow * 3, "parallel took {:?}", out.elapsed);
+        }
+    }
+}
+
+/// A denied tool is blocked with an error result saying why; the tool
+/// service never sees the call and the loop goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_denied_tool_is_blocked_and_never_called() {
+    let tools = ToolServer::start(vec![ToolDef::new("drop_tables", "dropped"), ToolDef::new("read", "data")]).await;
+    let config = cfg::agent("a", "deny = [\"drop_tables\"]")
+        + &cfg::turn("go", &["drop_tables", "read"])
+        + &cfg::turn("{{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    out.ok();
+    let results = out.tool_results();
+    assert_eq!(results[0].outcome, ToolCallOutcome::Blocked as i32);
+    assert!(results[0].result.as_ref().unwrap().is_error);
+    assert!(out.tool_texts()[0].contains("not permitted"), "{:?}", out.tool_texts());
+    assert_eq!(out.tool_texts()[1], "data");
+    assert_eq!(tools.state.called(), vec!["read"]);
+}
+
+/// More calls than max_tool_calls_per_turn: the excess is blocked.
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_over_the_batch_limit_are_blocked() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "ok")]).await;
+    let config = cfg::agent("a", "max_tool_calls_per_turn = 2") + &cfg::turn("go", &["t", "t", "t"]) + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    out.ok();
+    let outcomes: Vec<i32> = out.tool_results().iter().map(|t| t.outcome).collect();
+    let (e, b) = (ToolCallOutcome::Executed as i32, ToolCallOutcome::Blocked as i32);
+    assert_eq!(outcomes, vec![e, e, b]);
+    assert_eq!(tools.state.called().len(), 2);
+}
+
+/// The model asking for a tool the agent doesn't have gets an error result,
+/// and the loop goes on to the next turn.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unknown_tool_gets_an_error_result() {
+    let config = cfg::agent("a", "") + &cfg::turn("go", &["no_such_tool"]) + &cfg::turn("after: {{last_tool_result}}", &[]);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    let text = out.ok().text.clone();
+    assert!(text.starts_with("after: unknown tool"), "{text}");
+    assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Blocked as i32);
+}
+
+/// A tool service that is down gives an error result, and the model goes
+/// on (it sees the error).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_service_down_gives_an_error_result() {
+    let url = lattice_tests::dead_url().await;
+    let config = cfg::agent("a", "")
+        + &cfg::turn("go", &["lookup"])
+        + &cfg::turn("after: {{last_tool_result}}", &[])
+        + &cfg::declared_tools(&url, 2000, &["lookup"]);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    let text = out.ok().text.clone();
+    assert!(text.contains("Unavailable"), "{text}");
+    assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Failed as i32);
+    assert!(out.tool_results()[0].result.as_ref().unwrap().is_error);
+}
+
+/// A tool slower than its deadline fails at the deadline with an error
+/// result; the tool service sees the call cancelled.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_past_its_deadline_fails_in_time() {
+    let tools = ToolServer::start(vec![ToolDef::new("slow", "late").delay(Duration::from_secs(5))]).await;
+    let config = cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("{{last_tool_result}}", &[]) + &cfg::tools(&tools.url, 200);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    let text = out.ok().text.clone();
+    assert!(text.contains("did not answer within"), "{text}");
+    let took = out.tool_results()[0].duration_ms;
+    assert!((200..400).contains(&took), "took {took} ms");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(tools.state.cancelled.lock().unwrap().len(), 1);
+}
+
+/// A model that keeps asking for tools stops at max_turns with
+/// STOP_REASON_MAX_TURNS, and the stored conversation stays valid.
+#[tokio::test(flavor = "multi_thread")]
+async fn max_turns_stops_the_loop() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "ok")]).await;
+    let config = cfg::agent("a", "max_turns = 2")
+        + &cfg::turn("1", &["t"])
+        + &cfg::turn("2", &["t"])
+        + &cfg::turn("3", &["t"])
+        + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    let r = out.ok();
+    assert_eq!(r.stop_reason, pb::StopReason::MaxTurns as i32);
+    assert_eq!(r.turns, 2);
+    assert_eq!(out.assistant_texts(), vec!["1", "2"]);
+    // The conversation can be continued: the next prompt joins the trailing
+    // tool results, so roles still alternate.
+    let sid = out.session_id();
+    let next = lattice.query_with(QueryOpts { agent: "a".into(), prompt: "again".into(), session: Some(sid.clone()), ..Default::default() }).await;
+    next.ok();
+    let stored = lattice.session(&sid).await.unwrap();
+    let roles: Vec<i32> = stored.messages.iter().map(|m| m.role).collect();
+    assert!(roles.windows(2).all(|w| w[0] != w[1]), "{roles:?}");
+}
+
+/// Cancelling the client stream mid-tool cancels the tool call: the tool
+/// service observes the RPC dropped within 50 ms.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_cancel_cancels_the_tool_call() {
+    let tools = ToolServer::start(vec![ToolDef::new("slow", "late").delay(Duration::from_secs(10))]).await;
+    let config = cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::tools(&tools.url, 20_000);
+    let lattice = Lattice::start(&config).await;
+    let mut client = lattice.client().await;
+    let mut stream = client.query(pb::QueryRequest { agent: "a".into(), prompt: "go".into(), ..Default::default() }).await.unwrap().into_inner();
+    // Wait until the tool is running.
+    while tools.state.calls.lock().unwrap().is_empty() {
+        let _ = tokio::time::timeout(Duration::from_millis(10), stream.next()).await;
+    }
+    let dropped = std::time::Instant::now();
+    drop(stream);
+    drop(client);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cancelled = tools.state.cancelled.lock().unwrap().clone();
+    assert_eq!(cancelled.len(), 1, "the tool call was not cancelled");
+    let after = cancelled[0].1.duration_since(dropped);
+    assert!(after < Duration::from_millis(50), "cancelled {after:?} after the client went away");
+}
+
+/// A second query on a busy session is refused with FAILED_PRECONDITION;
+/// the first completes undisturbed.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_query_at_a_time_per_session() {
+    let tools = ToolServer::start(vec![ToolDef::new("slow", "ok").delay(Duration::from_millis(500))]).await;
+    let config = cfg::agent("b", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 5000);
+    let lattice2 = std::sync::Arc::new(Lattice::start(&config).await);
+    let first = lattice2.query("b", "one").await;
+    let sid = first.session_id();
+    let l = lattice2.clone();
+    let s = sid.clone();
+    let slow = tokio::spawn(async move { l.query_with(QueryOpts { agent: "b".into(), prompt: "two".into(), session: Some(s), ..Default::default() }).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let second = lattice2.query_with(QueryOpts { agent: "b".into(), prompt: "three".into(), session: Some(sid.clone()), ..Default::default() }).await;
+    assert_eq!(second.code(), Code::FailedPrecondition, "{:?}", second.status);
+    let slow = slow.await.unwrap();
+    assert_eq!(slow.ok().text, "done");
+    // And once it is done, the session takes queries again.
+    let again = lattice2.query_with(QueryOpts { agent: "b".into(), prompt: "four".into(), session: Some(sid), ..Default::default() }).await;
+    again.ok();
+}
+
+/// A query that fails leaves the stored conversation exactly as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_query_leaves_the_history_unchanged() {
+    let tools = ToolServer::start(vec![ToolDef::new("slow", "ok").delay(Duration::from_secs(3))]).await;
+    let config = cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 10_000);
+    let lattice = Lattice::start(&config).await;
+    // A first query that fails (deadline) leaves no session behind.
+    let failed_new = lattice.query_with(QueryOpts { agent: "a".into(), prompt: "x".into(), timeout: Some(Duration::from_millis(300)), ..Default::default() }).await;
+    assert_eq!(failed_new.code(), Code::DeadlineExceeded);
+    assert_eq!(lattice.session(&failed_new.session_id()).await.unwrap_err().code(), Code::NotFound);
+    // A successful query, then a failing one on the same session.
+    let tools_fast = ToolServer::start(vec![ToolDef::new("slow", "ok")]).await;
+    let config = cfg::agent("b", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools_fast.url, 10_000);
+    let lattice = Lattice::start(&config).await;
+    let ok = lattice.query("b", "first").await;
+    ok.ok();
+    let sid = ok.session_id();
+    let before = lattice.session(&sid).await.unwrap();
+    assert_eq!(before.messages.len(), 4);
+    tools_fast.state.tools.lock().unwrap()[0].delay = Duration::from_secs(3);
+    let failed = lattice.query_with(QueryOpts { agent: "b".into(), prompt: "second".into(), session: Some(sid.clone()), timeout: Some(Duration::from_millis(300)) }).await;
+    assert_eq!(failed.code(), Code::DeadlineExceeded);
+    assert!(failed.elapsed < Duration::from_millis(600), "{:?}", failed.elapsed);
+    assert_eq!(lattice.session(&sid).await.unwrap(), before);
+}
+
+/// Delegation: the delegated agent runs on its own fresh session and its
+/// final text is the parent's tool result; the depth is bounded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delegated_agent_answers_as_a_tool() {
+    let config = cfg::agent("parent", "")
+        + &cfg::turn("asking", &["child:{ prompt = \"what is 6x7?\" }"])
+        + &cfg::turn("child said: {{last_tool_result}}", &[])
+        + &cfg::delegate("child")
+        + &cfg::agent("child", "system_prompt = \"child system\"")
+        + &cfg::turn("42 (I saw {{message_count}} message: {{last_user_text}})", &[]);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("parent", "go").await;
+    assert_eq!(out.ok().text, "child said: 42 (I saw 1 message: what is 6x7?)");
+    // The parent's session holds the parent's conversation only.
+    let stored = lattice.session(&out.session_id()).await.unwrap();
+    assert_eq!(stored.agent, "parent");
+    assert_eq!(stored.messages.len(), 4);
+}
+
+/// Delegation deeper than server.max_delegation_depth is blocked.
+#[tokio::test(flavor = "multi_thread")]
+async fn delegation_depth_is_bounded() {
+    let config = "[server]\nmax_delegation_depth = 1\n".to_owned()
+        + &cfg::agent("a", "")
+        + &cfg::turn("to b", &["b:{ prompt = \"go\" }"])
+        + &cfg::turn("a got: {{last_tool_result}}", &[])
+        + &cfg::delegate("b")
+        + &cfg::agent("b", "")
+        + &cfg::turn("to c", &["c:{ prompt = \"go\" }"])
+        + &cfg::turn("b got: {{last_tool_result}}", &[])
+        + &cfg::delegate("c")
+        + &cfg::agent("c", "")
+        + &cfg::turn("c answers", &[]);
+    let lattice = Lattice::start(&config).await;
+    let text = lattice.query("a", "go").await.ok().text.clone();
+    assert!(text.starts_with("a got: b got: agent \"c\" was not called: delegation depth limit"), "{text}");
+}
+
+/// A delegation cycle is refused at start-up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delegation_cycle_is_refused_at_start_up() {
+    let config = cfg::agent("a", "") + &cfg::delegate("b") + &cfg::agent("b", "") + &cfg::delegate("a");
+    let err = Lattice::try_start(&config).await.err().expect("a cycle must be refused");
+    assert!(err.contains("delegation cycle: a -> b -> a"), "{err}");
+}
+
+/// Bad input gets a clear error and nothing else happens.
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_is_refused_clearly() {
+    let config = "[server]\nmax_message_bytes = 65536\n".to_owned() + &cfg::agent("a", "") + &cfg::turn("hi", &[]);
+    let lattice = Lattice::start(&config).await;
+    let q = |agent: &str, prompt: String, session: Option<&str>| QueryOpts {
+        agent: agent.into(),
+        prompt,
+        session: session.map(str::to_owned),
+        ..Default::default()
+    };
+    let unknown_agent = lattice.query("nobody", "hi").await;
+    assert_eq!(unknown_agent.code(), Code::NotFound);
+    assert!(unknown_agent.status.unwrap().message().contains("nobody"));
+    assert_eq!(lattice.query_with(q("a", "hi".into(), Some("0000-no-such-session"))).await.code(), Code::NotFound);
+    assert_eq!(lattice.query_with(q("a", "hi".into(), Some("../../etc/passwd"))).await.code(), Code::NotFound);
+    assert_eq!(lattice.query_with(q("a", "   ".into(), None)).await.code(), Code::InvalidArgument);
+    let huge = lattice.query_with(q("a", "x".repeat(100_000), None)).await;
+    assert!(matches!(huge.code(), Code::OutOfRange | Code::ResourceExhausted), "{:?}", huge.status);
+    // Nothing was stored by any of them; the service still works.
+    lattice.query("a", "hi").await.ok();
+    let mut client = lattice.client().await;
+    let missing = client.get_agent(pb::GetAgentRequest { name: "nobody".into() }).await.unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+    let missing = client.delete_session(pb::DeleteSessionRequest { session_id: "nope".into() }).await.unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+}
+
+/// An invalid config is refused with every problem listed, each with its
+/// line and field.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_invalid_config_lists_every_problem() {
+    let config = r#"
+[[agents]]
+name = "a"
+max_turns = 0
+[agents.model]
+provider = "gpt-nowhere"
+[[agents.hooks]]
+name = "h"
+endpoint = "not a url"
+events = ["tool_result", "sometimes"]
+[[agents.delegates]]
+agent = "ghost"
+"#;
+    let err = Lattice::try_start(config).await.err().expect("refused");
+    for expected in [
+        "test.toml:4: agents[0].max_turns",
+        "test.toml:6: agents[0].model.provider: unknown provider \"gpt-nowhere\"",
+        "test.toml:9: agents[0].hooks[0].endpoint",
+        "test.toml:10: agents[0].hooks[0].events: unknown event \"sometimes\"",
+        "test.toml:12: agents[0].delegates[0].agent: no agent named \"ghost\"",
+    ] {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
+    let typo = Lattice::try_start("[[agents]]\nname = \"a\"\nmax_turnz = 3\n").await.err().unwrap();
+    assert!(typo.contains("test.toml:3") && typo.contains("max_turnz"), "{typo}");
+}
+
+/// ListAgents and GetAgent describe the agents, their tools and their hooks
+/// in order; GetSession and DeleteSession manage the stored conversation.
+#[tokio::test(flavor = "multi_thread")]
+async fn agents_and_sessions_can_be_inspected() {
+    let tools = ToolServer::start(vec![ToolDef::new("lookup", "x")]).await;
+    let config = cfg::agent("a", "max_turns = 3")
+        + &cfg::turn("hi", &[])
+        + &cfg::tools(&tools.url, 1500)
+        + &cfg::hook("first", "http://127.0.0.1:1", &["tool_result"], 100)
+        + &cfg::disabled_hook("second", "http://127.0.0.1:2", &["model_request"])
+        + &cfg::agent("b", "");
+    let lattice = Lattice::start(&config).await;
+    let mut client = lattice.client().await;
+    let agents = client.list_agents(pb::ListAgentsRequest {}).await.unwrap().into_inner().agents;
+    assert_eq!(agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
+    let a = client.get_agent(pb::GetAgentRequest { name: "a".into() }).await.unwrap().into_inner();
+    assert_eq!(a.max_turns, 3);
+    assert_eq!(a.model, "scripted/default");
+    assert_eq!(a.tools[0].spec.as_ref().unwrap().name, "lookup");
+    assert_eq!(a.tools[0].deadline_ms, 1500);
+    let hooks: Vec<(&str, bool)> = a.hooks.iter().map(|h| (h.name.as_str(), h.enabled)).collect();
+    assert_eq!(hooks, vec![("first", true), ("second", false)]);
+    assert_eq!(a.hooks[0].deadline_ms, 100);
+
+    let out = lattice.query("b", "remember me").await;
+    out.ok();
+    let sid = out.session_id();
+    let s = lattice.session(&sid).await.unwrap();
+    assert_eq!(lattice_tests::message_text(&s.messages[0]), "remember me");
+    client.delete_session(pb::DeleteSessionRequest { session_id: sid.clone() }).await.unwrap();
+    assert_eq!(lattice.session(&sid).await.unwrap_err().code(), Code::NotFound);
+}
