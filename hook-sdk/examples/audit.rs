@@ -60,11 +60,8 @@ impl Hook for Audit {
     }
 
     async fn on_model_request(&self, call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
-        let messages: Vec<serde_json::Value> = call
-            .messages
-            .iter()
-            .map(|m| json!({"role": m.role, "blocks": m.content.len()}))
-            .collect();
+        let messages: Vec<serde_json::Value> =
+            call.messages.iter().map(|m| json!({"role": m.role, "blocks": m.content.len()})).collect();
         self.write(json!({
             "event": "model_request",
             "context": context(call.context),
@@ -108,7 +105,11 @@ mod tests {
         let call = ToolResultCall {
             tool_name: "lookup".into(),
             tool_use_id: "t1".into(),
-            result: Some(ToolResultBlock { tool_use_id: "t1".into(), content: vec![TextBlock { text: "seen".into() }], is_error: false }),
+            result: Some(ToolResultBlock {
+                tool_use_id: "t1".into(),
+                content: vec![TextBlock { text: "seen".into() }],
+                is_error: false,
+            }),
             ..Default::default()
         };
         assert_eq!(audit.on_tool_result(call).await.unwrap(), None);

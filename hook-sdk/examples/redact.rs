@@ -30,8 +30,9 @@ static API_KEY: LazyLock<Regex> = LazyLock::new(|| {
 });
 /// Digit groups separated by single spaces or dashes.
 static DIGITS: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\d(?:[ -]?\d){12,18}").expect("valid regex"));
-static PHONE: LazyLock<Regex> =
-    LazyLock::new(|| Regex::new(r"(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]?\d{2,4}){1,4}").expect("valid regex"));
+static PHONE: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]?\d{2,4}){1,4}").expect("valid regex")
+});
 
 /// The Luhn checksum of a digit string.
 fn luhn(digits: &str) -> bool {
@@ -136,7 +137,9 @@ mod tests {
         assert!(out.contains("[REDACTED:phone]"), "{out}");
         assert!(out.contains("[REDACTED:card]"), "{out}");
         assert!(out.contains("[REDACTED:api_key]"), "{out}");
-        for secret in ["ada.lovelace@example.com", "7946 0958", "4111 1111 1111 1111", "sk_live_51HxQ2eZvKYlo2CExampleKey9"] {
+        for secret in
+            ["ada.lovelace@example.com", "7946 0958", "4111 1111 1111 1111", "sk_live_51HxQ2eZvKYlo2CExampleKey9"]
+        {
             assert!(!out.contains(secret), "{secret} survived: {out}");
         }
         assert!(out.contains("plan: team"));

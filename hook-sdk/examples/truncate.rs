@@ -46,7 +46,12 @@ impl Hook for Truncate {
         let mut kept = Vec::with_capacity(self.keep_last + 2);
         kept.push(call.messages[0].clone());
         kept.extend_from_slice(&call.messages[start..]);
-        tracing::info!(turn = call.context.map(|c| c.turn).unwrap_or_default(), from = call.messages.len(), to = kept.len(), "truncated");
+        tracing::info!(
+            turn = call.context.map(|c| c.turn).unwrap_or_default(),
+            from = call.messages.len(),
+            to = kept.len(),
+            "truncated"
+        );
         Ok(ModelRequestChange::messages(kept))
     }
 }
@@ -71,10 +76,15 @@ async fn main() -> Result<(), lattice_hook_sdk::ServeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lattice_hook_sdk::{ContentBlock, TextBlock, ToolResultBlock, content_block::Block, proto::agent::v1::ToolUseBlock};
+    use lattice_hook_sdk::{
+        ContentBlock, TextBlock, ToolResultBlock, content_block::Block, proto::agent::v1::ToolUseBlock,
+    };
 
     fn text(role: Role, t: &str) -> Message {
-        Message { role: role as i32, content: vec![ContentBlock { block: Some(Block::Text(TextBlock { text: t.into() })) }] }
+        Message {
+            role: role as i32,
+            content: vec![ContentBlock { block: Some(Block::Text(TextBlock { text: t.into() })) }],
+        }
     }
     fn tool_use(id: &str) -> Message {
         let b = Block::ToolUse(ToolUseBlock { id: id.into(), name: "t".into(), input: None });

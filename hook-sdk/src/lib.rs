@@ -173,7 +173,11 @@ pub fn text_of(result: &ToolResultBlock) -> String {
 
 /// A copy of `result` whose content is the one text block `text`.
 pub fn with_text(result: &ToolResultBlock, text: impl Into<String>) -> ToolResultBlock {
-    ToolResultBlock { tool_use_id: result.tool_use_id.clone(), content: vec![TextBlock { text: text.into() }], is_error: result.is_error }
+    ToolResultBlock {
+        tool_use_id: result.tool_use_id.clone(),
+        content: vec![TextBlock { text: text.into() }],
+        is_error: result.is_error,
+    }
 }
 
 /// Adapts a [`Hook`] to the generated gRPC service.
@@ -316,7 +320,11 @@ mod tests {
     fn call(text: &str) -> ToolResultCall {
         ToolResultCall {
             tool_use_id: "t1".into(),
-            result: Some(ToolResultBlock { tool_use_id: "t1".into(), content: vec![TextBlock { text: text.into() }], is_error: false }),
+            result: Some(ToolResultBlock {
+                tool_use_id: "t1".into(),
+                content: vec![TextBlock { text: text.into() }],
+                is_error: false,
+            }),
             ..Default::default()
         }
     }

@@ -386,12 +386,14 @@ impl Runtime {
                         }
                         Binding::Agent { agent: target, .. } => self.delegate(ctx, call, target, call_deadline).await?,
                     };
+                    // Cut by the query's deadline: the query is over, and the
+                    // call counts as cancelled (the armed guard reports it).
+                    check_deadline(ctx)?;
                     guard.disarm();
                     raw
                 }
             }
         };
-        // A tool whose deadline is the query's: the query is over, not the tool.
         check_deadline(ctx)?;
         let view = ToolCallView {
             tool_name: &call.name,

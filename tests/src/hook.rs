@@ -43,8 +43,8 @@ pub enum OnRequest {
     System(String),
     /// Replaces the messages with an empty list.
     EmptyMessages,
-    /// Keeps only the last message.
-    LastMessageOnly,
+    /// Keeps only the first message (the first prompt).
+    FirstMessageOnly,
     /// Appends a text to the last user message's last text block.
     AppendToLastText(String),
     /// A replacement that breaks pairing (an unanswered tool_use).
@@ -155,7 +155,11 @@ impl HookServer {
     }
 
     /// Starts a hook on a given listener.
-    pub async fn start_on(listener: tokio::net::TcpListener, addr: std::net::SocketAddr, behaviour: Behaviour) -> HookServer {
+    pub async fn start_on(
+        listener: tokio::net::TcpListener,
+        addr: std::net::SocketAddr,
+        behaviour: Behaviour,
+    ) -> HookServer {
         let state = Arc::new(State { behaviour: Mutex::new(behaviour), calls: Mutex::new(vec![]) });
         let (tx, rx) = oneshot::channel::<()>();
         let svc = HookServiceServer::new(Scripted(state.clone())).max_encoding_message_size(64 << 20);
@@ -208,7 +212,10 @@ fn text_block(t: &str) -> apb::ContentBlock {
 
 #[tonic::async_trait]
 impl pb::hook_service_server::HookService for Scripted {
-    async fn on_tool_result(&self, request: Request<pb::OnToolResultRequest>) -> Result<Response<pb::OnToolResultResponse>, Status> {
+    async fn on_tool_result(
+        &self,
+        request: Request<pb::OnToolResultRequest>,
+    ) -> Result<Response<pb::OnToolResultResponse>, Status> {
         let timeout = timeout_of(&request);
         let req = request.into_inner();
         let b = self.behave(Seen::ToolResult(req.clone()), timeout).await?;
@@ -242,19 +249,25 @@ impl pb::hook_service_server::HookService for Scripted {
         Ok(Response::new(pb::OnToolResultResponse { result }))
     }
 
-    async fn on_model_request(&self, request: Request<pb::OnModelRequestRequest>) -> Result<Response<pb::OnModelRequestResponse>, Status> {
+    async fn on_model_request(
+        &self,
+        request: Request<pb::OnModelRequestRequest>,
+    ) -> Result<Response<pb::OnModelRequestResponse>, Status> {
         let timeout = timeout_of(&request);
         let req = request.into_inner();
         let b = self.behave(Seen::ModelRequest(req.clone()), timeout).await?;
         let list = |messages| Some(pb::MessageList { messages });
         let reply = match b.on_request {
             OnRequest::Keep => pb::OnModelRequestResponse::default(),
-            OnRequest::AppendSystem(s) => pb::OnModelRequestResponse { system: Some(format!("{}{s}", req.system)), messages: None },
+            OnRequest::AppendSystem(s) => {
+                pb::OnModelRequestResponse { system: Some(format!("{}{s}", req.system)), messages: None }
+            }
             OnRequest::System(s) => pb::OnModelRequestResponse { system: Some(s), messages: None },
             OnRequest::EmptyMessages => pb::OnModelRequestResponse { system: None, messages: list(vec![]) },
-            OnRequest::LastMessageOnly => {
-                pb::OnModelRequestResponse { system: None, messages: list(req.messages.last().cloned().into_iter().collect()) }
-            }
+            OnRequest::FirstMessageOnly => pb::OnModelRequestResponse {
+                system: None,
+                messages: list(req.messages.first().cloned().into_iter().collect()),
+            },
             OnRequest::AppendToLastText(s) => {
                 let mut messages = req.messages.clone();
                 if let Some(m) = messages.last_mut() {

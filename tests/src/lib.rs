@@ -3,6 +3,7 @@
 //! services as real tonic servers on loopback, log capture, and helpers to
 //! run a query and look for a canary secret in every sink.
 
+pub mod bad_hook;
 pub mod hook;
 pub mod tool;
 
@@ -105,7 +106,8 @@ impl Lattice {
             .await
             .map_err(|e| e.to_string())
         });
-        let mut lattice = Lattice { url: format!("http://{addr}"), trace_dir, shutdown: Some(tx), handle: Some(handle) };
+        let mut lattice =
+            Lattice { url: format!("http://{addr}"), trace_dir, shutdown: Some(tx), handle: Some(handle) };
         // Ready when health answers (set-up, e.g. tool discovery, is done);
         // a set-up error ends `run` early.
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -131,7 +133,9 @@ impl Lattice {
         let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
         h.check(tonic_health::pb::HealthCheckRequest { service: "lattice.agent.v1.AgentService".into() })
             .await
-            .is_ok_and(|r| r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+            .is_ok_and(|r| {
+                r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+            })
     }
 
     /// A client.
@@ -161,7 +165,7 @@ impl Lattice {
             req.metadata_mut().insert("grpc-timeout", v.parse().unwrap());
         }
         let started = Instant::now();
-        let mut out = Outcome { events: vec![], status: None, elapsed: Duration::ZERO };
+        let mut out = Outcome { events: vec![], status: None, elapsed: Duration::ZERO, ended: started };
         match client.query(req).await {
             Err(s) => out.status = Some(s),
             Ok(resp) => {
@@ -177,7 +181,8 @@ impl Lattice {
                 }
             }
         }
-        out.elapsed = started.elapsed();
+        out.ended = Instant::now();
+        out.elapsed = out.ended - started;
         out
     }
 
@@ -238,6 +243,8 @@ pub struct Outcome {
     pub status: Option<Status>,
     /// From request to the end of the stream.
     pub elapsed: Duration,
+    /// When the stream ended.
+    pub ended: Instant,
 }
 
 impl Outcome {
@@ -388,7 +395,8 @@ pub fn workspace_root() -> PathBuf {
 
 /// A binary of the workspace (built before the tests: see the README).
 pub fn workspace_binary(rel: &str) -> PathBuf {
-    let dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
+    let dir =
+        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
     let path = dir.join("debug").join(rel);
     assert!(
         path.exists(),
@@ -440,7 +448,9 @@ pub mod cfg {
 
     /// A hook.
     pub fn hook(name: &str, url: &str, events: &[&str], deadline_ms: u64) -> String {
-        format!("[[agents.hooks]]\nname = {name:?}\nendpoint = {url:?}\nevents = {events:?}\ndeadline_ms = {deadline_ms}\n")
+        format!(
+            "[[agents.hooks]]\nname = {name:?}\nendpoint = {url:?}\nevents = {events:?}\ndeadline_ms = {deadline_ms}\n"
+        )
     }
 
     /// A disabled hook.

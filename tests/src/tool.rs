@@ -130,7 +130,11 @@ impl pb::tool_service_server::ToolService for Scripted {
         Ok(Response::new(pb::ListToolsResponse {
             tools: tools
                 .into_iter()
-                .map(|t| pb::Tool { name: t.name.clone(), description: format!("scripted {}", t.name), input_schema: None })
+                .map(|t| pb::Tool {
+                    name: t.name.clone(),
+                    description: format!("scripted {}", t.name),
+                    input_schema: None,
+                })
                 .collect(),
         }))
     }

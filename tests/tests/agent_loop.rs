@@ -36,7 +36,9 @@ async fn a_tool_result_reaches_the_model() {
 /// tool_use order, and the model sees them all.
 #[tokio::test(flavor = "multi_thread")]
 async fn several_tool_calls_get_one_result_each_in_order() {
-    let tools = ToolServer::start(vec![ToolDef::new("one", "r1"), ToolDef::new("two", "r2"), ToolDef::new("three", "r3")]).await;
+    let tools =
+        ToolServer::start(vec![ToolDef::new("one", "r1"), ToolDef::new("two", "r2"), ToolDef::new("three", "r3")])
+            .await;
     let config = cfg::agent("a", "parallel_tool_calls = 3")
         + &cfg::turn("go", &["one", "two", "three"])
         + &cfg::turn("{{request}}", &[])
@@ -59,7 +61,8 @@ async fn parallel_and_sequential_tool_calls() {
     for (keys, expected_overlap) in [("parallel_tool_calls = 3", 3), ("", 1)] {
         let slow = Duration::from_millis(300);
         let tools = ToolServer::start(vec![ToolDef::new("slow", "ok").delay(slow)]).await;
-        let config = cfg::agent("a", keys) + &cfg::turn("go", &["slow", "slow", "slow"]) + &cfg::tools(&tools.url, 5000);
+        let config =
+            cfg::agent("a", keys) + &cfg::turn("go", &["slow", "slow", "slow"]) + &cfg::tools(&tools.url, 5000);
         let lattice = Lattice::start(&config).await;
         let out = lattice.query("a", "go").await;
         out.ok();
@@ -96,7 +99,9 @@ async fn a_denied_tool_is_blocked_and_never_called() {
 #[tokio::test(flavor = "multi_thread")]
 async fn calls_over_the_batch_limit_are_blocked() {
     let tools = ToolServer::start(vec![ToolDef::new("t", "ok")]).await;
-    let config = cfg::agent("a", "max_tool_calls_per_turn = 2") + &cfg::turn("go", &["t", "t", "t"]) + &cfg::tools(&tools.url, 2000);
+    let config = cfg::agent("a", "max_tool_calls_per_turn = 2")
+        + &cfg::turn("go", &["t", "t", "t"])
+        + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
     out.ok();
@@ -110,7 +115,8 @@ async fn calls_over_the_batch_limit_are_blocked() {
 /// and the loop goes on to the next turn.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unknown_tool_gets_an_error_result() {
-    let config = cfg::agent("a", "") + &cfg::turn("go", &["no_such_tool"]) + &cfg::turn("after: {{last_tool_result}}", &[]);
+    let config =
+        cfg::agent("a", "") + &cfg::turn("go", &["no_such_tool"]) + &cfg::turn("after: {{last_tool_result}}", &[]);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
     let text = out.ok().text.clone();
@@ -140,7 +146,10 @@ async fn a_tool_service_down_gives_an_error_result() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tool_past_its_deadline_fails_in_time() {
     let tools = ToolServer::start(vec![ToolDef::new("slow", "late").delay(Duration::from_secs(5))]).await;
-    let config = cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("{{last_tool_result}}", &[]) + &cfg::tools(&tools.url, 200);
+    let config = cfg::agent("a", "")
+        + &cfg::turn("go", &["slow"])
+        + &cfg::turn("{{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 200);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
     let text = out.ok().text.clone();
@@ -170,7 +179,14 @@ async fn max_turns_stops_the_loop() {
     // The conversation can be continued: the next prompt joins the trailing
     // tool results, so roles still alternate.
     let sid = out.session_id();
-    let next = lattice.query_with(QueryOpts { agent: "a".into(), prompt: "again".into(), session: Some(sid.clone()), ..Default::default() }).await;
+    let next = lattice
+        .query_with(QueryOpts {
+            agent: "a".into(),
+            prompt: "again".into(),
+            session: Some(sid.clone()),
+            ..Default::default()
+        })
+        .await;
     next.ok();
     let stored = lattice.session(&sid).await.unwrap();
     let roles: Vec<i32> = stored.messages.iter().map(|m| m.role).collect();
@@ -185,7 +201,11 @@ async fn a_client_cancel_cancels_the_tool_call() {
     let config = cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::tools(&tools.url, 20_000);
     let lattice = Lattice::start(&config).await;
     let mut client = lattice.client().await;
-    let mut stream = client.query(pb::QueryRequest { agent: "a".into(), prompt: "go".into(), ..Default::default() }).await.unwrap().into_inner();
+    let mut stream = client
+        .query(pb::QueryRequest { agent: "a".into(), prompt: "go".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     // Wait until the tool is running.
     while tools.state.calls.lock().unwrap().is_empty() {
         let _ = tokio::time::timeout(Duration::from_millis(10), stream.next()).await;
@@ -205,20 +225,33 @@ async fn a_client_cancel_cancels_the_tool_call() {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_query_at_a_time_per_session() {
     let tools = ToolServer::start(vec![ToolDef::new("slow", "ok").delay(Duration::from_millis(500))]).await;
-    let config = cfg::agent("b", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 5000);
+    let config =
+        cfg::agent("b", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 5000);
     let lattice2 = std::sync::Arc::new(Lattice::start(&config).await);
     let first = lattice2.query("b", "one").await;
     let sid = first.session_id();
     let l = lattice2.clone();
     let s = sid.clone();
-    let slow = tokio::spawn(async move { l.query_with(QueryOpts { agent: "b".into(), prompt: "two".into(), session: Some(s), ..Default::default() }).await });
+    let slow = tokio::spawn(async move {
+        l.query_with(QueryOpts { agent: "b".into(), prompt: "two".into(), session: Some(s), ..Default::default() })
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let second = lattice2.query_with(QueryOpts { agent: "b".into(), prompt: "three".into(), session: Some(sid.clone()), ..Default::default() }).await;
+    let second = lattice2
+        .query_with(QueryOpts {
+            agent: "b".into(),
+            prompt: "three".into(),
+            session: Some(sid.clone()),
+            ..Default::default()
+        })
+        .await;
     assert_eq!(second.code(), Code::FailedPrecondition, "{:?}", second.status);
     let slow = slow.await.unwrap();
     assert_eq!(slow.ok().text, "done");
     // And once it is done, the session takes queries again.
-    let again = lattice2.query_with(QueryOpts { agent: "b".into(), prompt: "four".into(), session: Some(sid), ..Default::default() }).await;
+    let again = lattice2
+        .query_with(QueryOpts { agent: "b".into(), prompt: "four".into(), session: Some(sid), ..Default::default() })
+        .await;
     again.ok();
 }
 
@@ -226,15 +259,26 @@ async fn one_query_at_a_time_per_session() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_query_leaves_the_history_unchanged() {
     let tools = ToolServer::start(vec![ToolDef::new("slow", "ok").delay(Duration::from_secs(3))]).await;
-    let config = cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 10_000);
+    let config =
+        cfg::agent("a", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 10_000);
     let lattice = Lattice::start(&config).await;
     // A first query that fails (deadline) leaves no session behind.
-    let failed_new = lattice.query_with(QueryOpts { agent: "a".into(), prompt: "x".into(), timeout: Some(Duration::from_millis(300)), ..Default::default() }).await;
+    let failed_new = lattice
+        .query_with(QueryOpts {
+            agent: "a".into(),
+            prompt: "x".into(),
+            timeout: Some(Duration::from_millis(300)),
+            ..Default::default()
+        })
+        .await;
     assert_eq!(failed_new.code(), Code::DeadlineExceeded);
     assert_eq!(lattice.session(&failed_new.session_id()).await.unwrap_err().code(), Code::NotFound);
     // A successful query, then a failing one on the same session.
     let tools_fast = ToolServer::start(vec![ToolDef::new("slow", "ok")]).await;
-    let config = cfg::agent("b", "") + &cfg::turn("go", &["slow"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools_fast.url, 10_000);
+    let config = cfg::agent("b", "")
+        + &cfg::turn("go", &["slow"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools_fast.url, 10_000);
     let lattice = Lattice::start(&config).await;
     let ok = lattice.query("b", "first").await;
     ok.ok();
@@ -242,7 +286,14 @@ async fn a_failed_query_leaves_the_history_unchanged() {
     let before = lattice.session(&sid).await.unwrap();
     assert_eq!(before.messages.len(), 4);
     tools_fast.state.tools.lock().unwrap()[0].delay = Duration::from_secs(3);
-    let failed = lattice.query_with(QueryOpts { agent: "b".into(), prompt: "second".into(), session: Some(sid.clone()), timeout: Some(Duration::from_millis(300)) }).await;
+    let failed = lattice
+        .query_with(QueryOpts {
+            agent: "b".into(),
+            prompt: "second".into(),
+            session: Some(sid.clone()),
+            timeout: Some(Duration::from_millis(300)),
+        })
+        .await;
     assert_eq!(failed.code(), Code::DeadlineExceeded);
     assert!(failed.elapsed < Duration::from_millis(600), "{:?}", failed.elapsed);
     assert_eq!(lattice.session(&sid).await.unwrap(), before);

@@ -1,0 +1,514 @@
+//! The hook chain over real gRPC: registered order, keep/replace, both
+//! events, strict deadlines, and fail-closed on every kind of failure with
+//! nothing pre-hook leaking to any sink.
+
+use std::time::{Duration, Instant};
+
+use lattice_proto::hooks::v1::{SourceKind, ToolErrorKind};
+use lattice_tests::{
+    Lattice, QueryOpts, assert_no_leak,
+    bad_hook::BadHook,
+    canary, cfg,
+    hook::{Behaviour, HookServer, OnRequest, OnResult},
+    result_text,
+    tool::{ToolDef, ToolServer},
+};
+use tonic::Code;
+
+fn appender(marker: &str) -> Behaviour {
+    Behaviour {
+        on_result: OnResult::Append(marker.into()),
+        on_request: OnRequest::AppendSystem(marker.into()),
+        ..Default::default()
+    }
+}
+
+/// Three hooks each append a marker: the model and the client see them in
+/// registered order, and each hook saw the previous hook's output.
+#[tokio::test(flavor = "multi_thread")]
+async fn three_hooks_fold_in_registered_order() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "data")]).await;
+    let (a, b, c) = (
+        HookServer::start(appender("[A]")).await,
+        HookServer::start(appender("[B]")).await,
+        HookServer::start(appender("[C]")).await,
+    );
+    let both = ["tool_result", "model_request"];
+    let config = cfg::agent("x", "system_prompt = \"sys\"")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("model saw {{last_tool_result}} / {{system}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("a", &a.url, &both, 1000)
+        + &cfg::hook("b", &b.url, &both, 1000)
+        + &cfg::hook("c", &c.url, &both, 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "model saw data[A][B][C] / sys[A][B][C]");
+    assert_eq!(out.tool_texts(), vec!["data[A][B][C]"]);
+    assert_eq!(out.model_requests()[0].system, "sys[A][B][C]");
+    // Each saw the previous output.
+    let seen = |h: &HookServer| result_text(h.state.tool_results()[0].result.as_ref().unwrap());
+    assert_eq!((seen(&a), seen(&b), seen(&c)), ("data".into(), "data[A]".into(), "data[A][B]".into()));
+    assert_eq!(b.state.model_requests()[0].system, "sys[A]");
+    assert_eq!(c.state.model_requests()[1].system, "sys[A][B]");
+    // And in order in time.
+    let at = |h: &HookServer| h.state.calls.lock().unwrap()[0].at;
+    assert!(at(&a) < at(&b) && at(&b) < at(&c));
+}
+
+/// An unset reply keeps the value; a set one replaces it; a replacement may
+/// flip is_error either way.
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_replace_and_flip_is_error() {
+    let mut failing = ToolDef::new("bad", "tool error text");
+    failing.is_error = true;
+    let tools = ToolServer::start(vec![ToolDef::new("good", "fine"), failing]).await;
+    let keep = HookServer::start(Behaviour::default()).await;
+    let flip = HookServer::start(Behaviour::default()).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["good", "bad"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("keep", &keep.url, &["tool_result"], 1000)
+        + &cfg::hook("flip", &flip.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+
+    let out = lattice.query("x", "go").await;
+    out.ok();
+    let errs: Vec<bool> = out.tool_results().iter().map(|t| t.result.as_ref().unwrap().is_error).collect();
+    assert_eq!(errs, vec![false, true]);
+    assert_eq!(out.tool_texts(), vec!["fine", "tool error text"]);
+
+    flip.state.set(Behaviour { on_result: OnResult::SetError(true), ..Default::default() });
+    let out = lattice.query("x", "go").await;
+    let errs: Vec<bool> = out.tool_results().iter().map(|t| t.result.as_ref().unwrap().is_error).collect();
+    assert_eq!(errs, vec![true, true]);
+
+    flip.state.set(Behaviour { on_result: OnResult::SetError(false), ..Default::default() });
+    let out = lattice.query("x", "go").await;
+    let errs: Vec<bool> = out.tool_results().iter().map(|t| t.result.as_ref().unwrap().is_error).collect();
+    assert_eq!(errs, vec![false, false]);
+
+    flip.state.set(Behaviour { on_result: OnResult::ReplaceText("replaced".into()), ..Default::default() });
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.tool_texts(), vec!["replaced", "replaced"]);
+}
+
+/// OnToolResult runs for every result: executed, tool error, RPC failure,
+/// blocked by permission, unknown tool; it is told the error kind and the
+/// source.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_tool_result_sees_every_kind_of_result() {
+    let mut is_error = ToolDef::new("is_error", "nope");
+    is_error.is_error = true;
+    let mut rpc_fail = ToolDef::new("rpc_fail", "");
+    rpc_fail.fail = Some(Code::Internal);
+    let tools =
+        ToolServer::start(vec![ToolDef::new("ok", "fine"), is_error, rpc_fail, ToolDef::new("denied", "x")]).await;
+    let hook = HookServer::start(Behaviour::default()).await;
+    let config = cfg::agent("x", "deny = [\"denied\"]")
+        + &cfg::turn("go", &["ok", "is_error", "rpc_fail", "denied", "ghost"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("h", &hook.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+    lattice.query("x", "go").await.ok();
+    let seen = hook.state.tool_results();
+    let kinds: Vec<(String, i32, i32)> = seen
+        .iter()
+        .map(|r| (r.tool_name.clone(), r.error.as_ref().map_or(0, |e| e.kind), r.source.as_ref().unwrap().kind))
+        .collect();
+    let (svc, lat) = (SourceKind::ToolService as i32, SourceKind::Lattice as i32);
+    assert_eq!(
+        kinds,
+        vec![
+            ("ok".into(), 0, svc),
+            ("is_error".into(), ToolErrorKind::ToolError as i32, svc),
+            ("rpc_fail".into(), ToolErrorKind::RpcFailed as i32, svc),
+            ("denied".into(), ToolErrorKind::PermissionDenied as i32, lat),
+            ("ghost".into(), ToolErrorKind::UnknownTool as i32, lat),
+        ]
+    );
+    let ctx = seen[0].context.as_ref().unwrap();
+    assert_eq!((ctx.agent.as_str(), ctx.turn), ("x", 1));
+    assert!(!ctx.session_id.is_empty() && !ctx.query_id.is_empty());
+}
+
+/// A tool call cancelled by an abort (the client went away) is reported to
+/// the OnToolResult hooks as a cancelled result.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_tool_result_sees_cancelled_calls() {
+    let tools = ToolServer::start(vec![ToolDef::new("slow", "late").delay(Duration::from_secs(10))]).await;
+    let hook = HookServer::start(Behaviour::default()).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["slow"])
+        + &cfg::tools(&tools.url, 20_000)
+        + &cfg::hook("h", &hook.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice
+        .query_with(QueryOpts {
+            agent: "x".into(),
+            prompt: "go".into(),
+            timeout: Some(Duration::from_millis(300)),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(out.code(), Code::DeadlineExceeded);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while hook.state.tool_results().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seen = hook.state.tool_results();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].error.as_ref().unwrap().kind, ToolErrorKind::Cancelled as i32);
+    assert_eq!(tools.state.cancelled.lock().unwrap().len(), 1);
+}
+
+/// OnModelRequest runs before every turn with the 1-based turn; its
+/// replacement reaches the model but not the stored conversation, so the
+/// next turn's hooks see the whole history again.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_model_request_shapes_one_request_only() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "r")]).await;
+    let hook = HookServer::start(Behaviour { on_request: OnRequest::FirstMessageOnly, ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("1", &["t"])
+        + &cfg::turn("2", &["t"])
+        + &cfg::turn("model saw {{message_count}} message(s)", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("h", &hook.url, &["model_request"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "model saw 1 message(s)");
+    let seen = hook.state.model_requests();
+    let turns: Vec<u32> = seen.iter().map(|r| r.context.as_ref().unwrap().turn).collect();
+    assert_eq!(turns, vec![1, 2, 3]);
+    let sizes: Vec<usize> = seen.iter().map(|r| r.messages.len()).collect();
+    assert_eq!(sizes, vec![1, 3, 5], "each turn's hook sees the whole history");
+    assert!(out.model_requests().iter().all(|r| r.messages.len() == 1));
+    assert_eq!(seen[0].tools.len(), 1);
+    let stored = lattice.session(&out.session_id()).await.unwrap();
+    assert_eq!(stored.messages.len(), 6);
+}
+
+/// A system-prompt-only replacement keeps the messages; an empty message
+/// list is a real replacement, not "keep".
+#[tokio::test(flavor = "multi_thread")]
+async fn system_only_and_empty_list_replacements() {
+    let hook =
+        HookServer::start(Behaviour { on_request: OnRequest::System("new system".into()), ..Default::default() }).await;
+    let config = cfg::agent("x", "system_prompt = \"old\"")
+        + &cfg::turn("{{system}} / {{message_count}}", &[])
+        + &cfg::hook("h", &hook.url, &["model_request"], 1000);
+    let lattice = Lattice::start(&config).await;
+    assert_eq!(lattice.query("x", "hi").await.ok().text, "new system / 1");
+    hook.state.set(Behaviour { on_request: OnRequest::EmptyMessages, ..Default::default() });
+    let out = lattice.query("x", "hi").await;
+    assert_eq!(out.ok().text, "old / 0");
+    assert!(out.model_requests()[0].messages.is_empty());
+}
+
+/// Which way a scripted hook fails, and the `kind` Lattice must report.
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    Unimplemented,
+    Internal,
+    Hang,
+    Down,
+    WrongId,
+    Dangling,
+    BadRole,
+    TooLarge,
+    Undecodable,
+}
+
+impl Failure {
+    fn kind(self) -> &'static str {
+        match self {
+            Failure::Unimplemented | Failure::Internal => "status",
+            Failure::Hang => "deadline",
+            Failure::Down => "unavailable",
+            _ => "invalid_reply",
+        }
+    }
+}
+
+async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<BadHook>) {
+    let b = |b: Behaviour| async move {
+        let h = HookServer::start(b).await;
+        (h.url.clone(), Some(h), None)
+    };
+    match f {
+        Failure::Unimplemented => b(Behaviour { fail: Some(Code::Unimplemented), ..Default::default() }).await,
+        Failure::Internal => b(Behaviour { fail: Some(Code::Internal), ..Default::default() }).await,
+        Failure::Hang => b(Behaviour { hang: true, ..Default::default() }).await,
+        Failure::WrongId => b(Behaviour { on_result: OnResult::WrongId, ..Default::default() }).await,
+        Failure::Dangling => b(Behaviour { on_request: OnRequest::Dangling, ..Default::default() }).await,
+        Failure::BadRole => b(Behaviour { on_request: OnRequest::BadRole, ..Default::default() }).await,
+        Failure::TooLarge => {
+            b(Behaviour {
+                on_result: OnResult::Huge(200_000),
+                on_request: OnRequest::AppendToLastText("y".repeat(200_000)),
+                ..Default::default()
+            })
+            .await
+        }
+        Failure::Down => (lattice_tests::dead_url().await, None, None),
+        Failure::Undecodable => {
+            let h = BadHook::start().await;
+            (h.url.clone(), None, Some(h))
+        }
+    }
+}
+
+/// Every kind of OnToolResult failure aborts with ABORTED + HOOK_FAILED and
+/// the right metadata; the canary in the tool result reaches no sink, and
+/// the hook's own status message is not passed on.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_tool_result_hook_failure_aborts_without_leaking() {
+    for f in [
+        Failure::Unimplemented,
+        Failure::Internal,
+        Failure::Hang,
+        Failure::Down,
+        Failure::WrongId,
+        Failure::TooLarge,
+        Failure::Undecodable,
+    ] {
+        let secret = canary();
+        let tools = ToolServer::start(vec![ToolDef::new("t", &format!("the secret is {secret}"))]).await;
+        let first = HookServer::start(appender("[ok]")).await;
+        let (url, _keep, _keep_bad) = failing_hook(f).await;
+        let config = "[server]\nmax_message_bytes = 65536\n".to_owned()
+            + &cfg::agent("x", "")
+            + &cfg::turn("go", &["t"])
+            + &cfg::turn("{{request}}", &[])
+            + &cfg::tools(&tools.url, 2000)
+            + &cfg::hook("first", &first.url, &["tool_result"], 1000)
+            + &cfg::hook("second", &url, &["tool_result"], 300);
+        let lattice = Lattice::start(&config).await;
+        let out = lattice.query("x", "go").await;
+        let meta = out.hook_failure();
+        assert_eq!(meta["hook"], "second", "{f:?}");
+        assert_eq!(meta["event"], "tool_result");
+        assert_eq!(meta["kind"], f.kind(), "{f:?}: {:?}", out.status);
+        assert!(meta["tool_use_id"].starts_with("toolu_"));
+        assert!(out.tool_results().is_empty(), "{f:?}: no tool result reaches the client");
+        assert!(!out.status.as_ref().unwrap().message().contains("scripted failure"));
+        assert_no_leak(&secret, &lattice, &out);
+        // The trace records the failure, and nothing pre-hook.
+        assert!(lattice.traces().contains("\"type\":\"error\""));
+    }
+}
+
+/// Every kind of OnModelRequest failure aborts the same way; the prompt's
+/// canary reaches no trace, log or error.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_model_request_hook_failure_aborts_without_leaking() {
+    for f in [
+        Failure::Unimplemented,
+        Failure::Hang,
+        Failure::Down,
+        Failure::Dangling,
+        Failure::BadRole,
+        Failure::TooLarge,
+        Failure::Undecodable,
+    ] {
+        let secret = canary();
+        let (url, _keep, _keep_bad) = failing_hook(f).await;
+        let config = "[server]\nmax_message_bytes = 65536\n".to_owned()
+            + &cfg::agent("x", "")
+            + &cfg::turn("{{request}}", &[])
+            + &cfg::hook("shaper", &url, &["model_request"], 300);
+        let lattice = Lattice::start(&config).await;
+        let out = lattice.query("x", &format!("my secret is {secret}")).await;
+        let meta = out.hook_failure();
+        assert_eq!(meta["hook"], "shaper");
+        assert_eq!(meta["event"], "model_request");
+        assert_eq!(meta["turn"], "1");
+        assert_eq!(meta["kind"], f.kind(), "{f:?}: {:?}", out.status);
+        assert!(out.model_requests().is_empty() && out.assistant_texts().is_empty());
+        assert!(!lattice.traces().contains(&secret), "{f:?}: trace");
+        assert!(!lattice_tests::logs().contains(&secret), "{f:?}: logs");
+        assert!(!out.status.as_ref().unwrap().message().contains(&secret));
+    }
+}
+
+/// A hook that never answers aborts the query within its deadline + 50 ms,
+/// and the deadline was sent to it as grpc-timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_that_never_answers_aborts_at_its_deadline() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "data")]).await;
+    let hook = HookServer::start(Behaviour { hang: true, ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("h", &hook.url, &["tool_result"], 400);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.hook_failure()["kind"], "deadline");
+    let call = hook.state.calls.lock().unwrap()[0].clone();
+    let waited = out.ended.duration_since(call.at);
+    assert!(waited >= Duration::from_millis(390) && waited <= Duration::from_millis(450), "aborted after {waited:?}");
+    let sent: u64 = call.grpc_timeout.as_deref().unwrap().trim_end_matches('u').parse().unwrap();
+    assert!((300_000..=400_000).contains(&sent), "grpc-timeout {sent}u");
+}
+
+/// A query deadline shorter than the hook's caps the hook's budget: the
+/// hook is told the shorter one and the query ends by it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_query_deadline_caps_the_hook_budget() {
+    let hook = HookServer::start(Behaviour { hang: true, ..Default::default() }).await;
+    let config = cfg::agent("x", "") + &cfg::turn("hi", &[]) + &cfg::hook("h", &hook.url, &["model_request"], 5000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice
+        .query_with(QueryOpts {
+            agent: "x".into(),
+            prompt: "hi".into(),
+            timeout: Some(Duration::from_millis(400)),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(out.hook_failure()["kind"], "deadline");
+    assert!(out.elapsed < Duration::from_millis(450), "took {:?}", out.elapsed);
+    let sent: u64 =
+        hook.state.calls.lock().unwrap()[0].grpc_timeout.as_deref().unwrap().trim_end_matches('u').parse().unwrap();
+    assert!(sent <= 400_000, "grpc-timeout {sent}u exceeds the query's deadline");
+}
+
+/// A hook that is down at start-up doesn't stop the server; queries abort
+/// until it comes up, then work, without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_down_at_start_up_works_once_it_is_up() {
+    let (listener, addr) = lattice_tests::bind().await;
+    drop(listener);
+    let config = cfg::agent("x", "")
+        + &cfg::turn("hi", &[])
+        + &cfg::hook("h", &format!("http://{addr}"), &["model_request"], 500);
+    let lattice = Lattice::start(&config).await;
+    assert_eq!(lattice.query("x", "hi").await.hook_failure()["kind"], "unavailable");
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let hook = HookServer::start_on(listener, addr, appender("!")).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let out = lattice.query("x", "hi").await;
+        if out.status.is_none() {
+            assert_eq!(out.model_requests()[0].system, "!");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the hook never became usable: {:?}", out.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!hook.state.model_requests().is_empty());
+}
+
+/// A delegated agent runs its own chain: its tool results don't reach the
+/// parent's hooks, its final text does (as the parent's tool result), and
+/// its own hook failure aborts the whole query.
+#[tokio::test(flavor = "multi_thread")]
+async fn delegated_agents_run_their_own_chain() {
+    let tools = ToolServer::start(vec![ToolDef::new("inner", "inner-data")]).await;
+    let parent_hook = HookServer::start(appender("[P]")).await;
+    let child_hook = HookServer::start(appender("[C]")).await;
+    let config = cfg::agent("parent", "")
+        + &cfg::turn("asking", &["child:{ prompt = \"dig\" }"])
+        + &cfg::turn("parent got {{last_tool_result}}", &[])
+        + &cfg::delegate("child")
+        + &cfg::hook("p", &parent_hook.url, &["tool_result"], 1000)
+        + &cfg::agent("child", "")
+        + &cfg::turn("digging", &["inner"])
+        + &cfg::turn("child got {{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("c", &child_hook.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("parent", "go").await;
+    assert_eq!(out.ok().text, "parent got child got inner-data[C][P]");
+    let parent_seen = parent_hook.state.tool_results();
+    assert_eq!(parent_seen.len(), 1);
+    assert_eq!(parent_seen[0].tool_name, "child");
+    assert_eq!(parent_seen[0].source.as_ref().unwrap().kind, SourceKind::DelegatedAgent as i32);
+    assert_eq!(parent_seen[0].source.as_ref().unwrap().name, "child");
+    let child_seen = child_hook.state.tool_results();
+    assert_eq!(child_seen.len(), 1);
+    assert_eq!(child_seen[0].tool_name, "inner");
+    assert_eq!(child_seen[0].context.as_ref().unwrap().agent, "child");
+
+    let secret = canary();
+    tools.state.tools.lock().unwrap()[0].text = secret.clone();
+    child_hook.state.set(Behaviour { fail: Some(Code::Internal), ..Default::default() });
+    let out = lattice.query("parent", "go").await;
+    let meta = out.hook_failure();
+    assert_eq!((meta["agent"].as_str(), meta["hook"].as_str()), ("child", "c"));
+    assert!(out.tool_results().is_empty(), "never an error text the parent model reads");
+    assert_no_leak(&secret, &lattice, &out);
+}
+
+/// A disabled entry is skipped: its service is never called.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disabled_hook_is_skipped() {
+    let off = HookServer::start(Behaviour { fail: Some(Code::Internal), ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("hi", &[])
+        + &cfg::disabled_hook("off", &off.url, &["tool_result", "model_request"]);
+    let lattice = Lattice::start(&config).await;
+    lattice.query("x", "hi").await.ok();
+    assert!(off.state.calls.lock().unwrap().is_empty());
+}
+
+/// Parallel tool calls: each result's chain is strictly sequential, and
+/// results reach the client and the model in tool_use order even when later
+/// calls finish first.
+#[tokio::test(flavor = "multi_thread")]
+async fn parallel_results_keep_their_order_and_their_chain() {
+    let tools = ToolServer::start(vec![
+        ToolDef::new("slow", "S").delay(Duration::from_millis(300)),
+        ToolDef::new("mid", "M").delay(Duration::from_millis(150)),
+        ToolDef::new("fast", "F"),
+    ])
+    .await;
+    let a = HookServer::start(Behaviour { delay: Duration::from_millis(20), ..appender("a") }).await;
+    let b = HookServer::start(appender("b")).await;
+    let config = cfg::agent("x", "parallel_tool_calls = 3")
+        + &cfg::turn("go", &["slow", "mid", "fast"])
+        + &cfg::turn("{{request}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("a", &a.url, &["tool_result"], 1000)
+        + &cfg::hook("b", &b.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    let text = out.ok().text.clone();
+    assert_eq!(out.tool_texts(), vec!["Sab", "Mab", "Fab"]);
+    assert!(text.ends_with("Sab\nMab\nFab"), "{text}");
+    // The chains overlapped (fast's finished first) ...
+    let a_order: Vec<String> = a.state.tool_results().iter().map(|r| r.tool_name.clone()).collect();
+    assert_eq!(a_order, vec!["fast", "mid", "slow"]);
+    // ... but within each result, b saw a's output.
+    for r in b.state.tool_results() {
+        assert!(result_text(r.result.as_ref().unwrap()).ends_with('a'), "{r:?}");
+    }
+}
+
+/// On success the trace holds what was actually sent: post-hook values, not
+/// the tool's raw output.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_trace_records_post_hook_values() {
+    let secret = canary();
+    let tools = ToolServer::start(vec![ToolDef::new("t", &format!("raw {secret}"))]).await;
+    let hook =
+        HookServer::start(Behaviour { on_result: OnResult::ReplaceText("[redacted]".into()), ..Default::default() })
+            .await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("model saw {{request}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("redact", &hook.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert!(out.ok().text.contains("[redacted]"));
+    let trace = lattice.traces();
+    for kind in ["model_request", "assistant_message", "tool_use", "tool_result", "result"] {
+        assert!(trace.contains(&format!("\"type\":\"{kind}\"")), "missing {kind} in trace");
+    }
+    assert!(trace.contains("[redacted]"));
+    assert_no_leak(&secret, &lattice, &out);
+}
