@@ -463,3 +463,48 @@ pub mod cfg {
         format!("[[agents.delegates]]\nagent = {agent:?}\ndescription = \"delegate\"\n")
     }
 }
+
+/// A child process killed when dropped.
+pub struct Child(pub tokio::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.start_kill();
+    }
+}
+
+/// Waits until something accepts TCP connections on `addr`.
+pub async fn wait_for_port(addr: SocketAddr, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "{what} did not start listening on {addr}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Starts a hook example binary (`redact`, `truncate`, `audit`) on a free
+/// port with extra arguments; returns its URL and the process.
+pub async fn start_example(name: &str, args: &[&str]) -> (String, Child) {
+    let (l, addr) = bind().await;
+    drop(l);
+    let child = tokio::process::Command::new(workspace_binary(&format!("examples/{name}")))
+        .arg("--listen")
+        .arg(addr.to_string())
+        .args(args)
+        .kill_on_drop(true)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"));
+    wait_for_port(addr, name).await;
+    (format!("http://{addr}"), Child(child))
+}
+
+/// Serves the shipped example tool service (customer lookup) in-process.
+pub async fn start_example_tools() -> (String, oneshot::Sender<()>) {
+    let (l, addr) = bind().await;
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(lattice_server::example_tools::serve(l, async {
+        let _ = rx.await;
+    }));
+    (format!("http://{addr}"), tx)
+}

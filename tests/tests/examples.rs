@@ -1,0 +1,198 @@
+//! The shipped examples as real processes: the Rust example hooks, the
+//! Python hook (generated from the .proto by grpcio-tools, here and now),
+//! the example tool service, and the `lattice` CLI.
+
+use std::{process::Stdio, time::Duration};
+
+use lattice_tests::{
+    Child, Lattice, cfg,
+    hook::{Behaviour, HookServer, OnResult},
+    start_example, start_example_tools, temp_dir,
+    tool::ToolDef,
+    tool::ToolServer,
+    workspace_binary, workspace_root,
+};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const PII: [&str; 4] =
+    ["ada.lovelace@example.com", "+44 20 7946 0958", "4111 1111 1111 1111", "sk_live_51HxQ2eZvKYlo2CExampleKey9"];
+
+/// The quickstart chain: the customer tool service, the `redact` example
+/// and the `audit` example after it. The model, the client, the trace, the
+/// logs and the audit log see only redacted values.
+#[tokio::test(flavor = "multi_thread")]
+async fn redact_then_audit_over_the_example_tools() {
+    let (tools, _tools) = start_example_tools().await;
+    let (redact, _r) = start_example("redact", &[]).await;
+    let audit_file = temp_dir("audit").join("audit.jsonl");
+    let (audit, _a) = start_example("audit", &["--file", audit_file.to_str().unwrap()]).await;
+    let config = cfg::agent("support", "")
+        + &cfg::turn("looking", &["lookup_customer:{ query = \"c-100\" }"])
+        + &cfg::turn("model saw: {{last_tool_result}}", &[])
+        + &cfg::tools(&tools, 5000)
+        + &cfg::hook("redact", &redact, &["tool_result"], 2000)
+        + &cfg::hook("audit", &audit, &["tool_result", "model_request"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("support", "Find the customers").await;
+    let text = out.ok().text.clone();
+    for marker in ["[REDACTED:email]", "[REDACTED:phone]", "[REDACTED:card]", "[REDACTED:api_key]"] {
+        assert!(text.contains(marker), "{marker} missing: {text}");
+    }
+    assert!(text.contains("Grace Hopper"), "non-PII stays: {text}");
+    let audit_log = std::fs::read_to_string(&audit_file).unwrap();
+    assert!(audit_log.contains("[REDACTED:email]") && audit_log.contains("\"event\":\"model_request\""));
+    for pii in PII {
+        assert!(!out.everything().contains(pii), "{pii} reached the client");
+        assert!(!lattice.traces().contains(pii), "{pii} reached the trace");
+        assert!(!lattice_tests::logs().contains(pii), "{pii} reached the logs");
+        assert!(!audit_log.contains(pii), "{pii} reached the audit log");
+    }
+}
+
+/// The `truncate` example keeps the model request short without breaking a
+/// tool_use/tool_result pair (Lattice would abort if it did), while the
+/// stored conversation keeps everything.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_truncate_example_shortens_requests_safely() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "r")]).await;
+    let (truncate, _t) = start_example("truncate", &["--keep-last", "2"]).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("1", &["t"])
+        + &cfg::turn("2", &["t"])
+        + &cfg::turn("3", &["t"])
+        + &cfg::turn("saw {{message_count}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("truncate", &truncate, &["model_request"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "saw 3");
+    let sizes: Vec<usize> = out.model_requests().iter().map(|r| r.messages.len()).collect();
+    assert_eq!(sizes, vec![1, 3, 3, 3]);
+    assert_eq!(lattice.session(&out.session_id()).await.unwrap().messages.len(), 8);
+}
+
+async fn start_python_hook() -> (String, Child) {
+    let gen_dir = temp_dir("pygen");
+    let example = workspace_root().join("hook-sdk/examples/python");
+    let status = tokio::process::Command::new("bash")
+        .arg(example.join("generate.sh"))
+        .arg(&gen_dir)
+        .stdout(Stdio::null())
+        .status()
+        .await
+        .expect("bash");
+    assert!(
+        status.success(),
+        "generating the Python code failed: run `pip install -r hook-sdk/examples/python/requirements.txt`"
+    );
+    let mut child = tokio::process::Command::new("python3")
+        .arg(example.join("redact_hook.py"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env("LATTICE_PY_GEN", &gen_dir)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .expect("the Python hook did not start")
+        .unwrap()
+        .unwrap();
+    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
+    (format!("http://127.0.0.1:{port}"), Child(child))
+}
+
+/// A hook written in Python from the .proto alone runs in one chain with
+/// Rust hooks, in registered order, each seeing the previous output.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_hook_works_in_a_chain_with_rust_hooks() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "mail ada@example.com")]).await;
+    let (python, _py) = start_python_hook().await;
+    let before =
+        HookServer::start(Behaviour { on_result: OnResult::Append(" [before]".into()), ..Default::default() }).await;
+    let after =
+        HookServer::start(Behaviour { on_result: OnResult::Append(" [after]".into()), ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("{{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("before", &before.url, &["tool_result"], 2000)
+        + &cfg::hook("python", &python, &["tool_result"], 2000)
+        + &cfg::hook("after", &after.url, &["tool_result"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "mail [REDACTED:email] [before] [after]");
+    let after_saw = lattice_tests::result_text(after.state.tool_results()[0].result.as_ref().unwrap());
+    assert_eq!(after_saw, "mail [REDACTED:email] [before]");
+    assert!(!lattice.traces().contains("ada@example.com"));
+
+    // Registered for an event it doesn't implement: UNIMPLEMENTED aborts.
+    let config = cfg::agent("y", "") + &cfg::turn("hi", &[]) + &cfg::hook("python", &python, &["model_request"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let meta = lattice.query("y", "hi").await.hook_failure();
+    assert_eq!((meta["kind"].as_str(), meta["code"].as_str()), ("status", "Unimplemented"));
+}
+
+/// `lattice query` prints the event stream readably; `lattice check-config`
+/// accepts the shipped configs and lists every problem of a broken one
+/// (exit 64).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_queries_and_checks_configs() {
+    let (tools, _tools) = start_example_tools().await;
+    let config = cfg::agent("support", "")
+        + &cfg::turn("looking", &["lookup_customer:{ query = \"turing\" }"])
+        + &cfg::turn("found: {{last_tool_result}}", &[])
+        + &cfg::tools(&tools, 5000);
+    let lattice = Lattice::start(&config).await;
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["query", "--addr", &lattice.url, "--agent", "support", "find Alan"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    for expected in [
+        "▶ query",
+        "◆ assistant (turn 1)",
+        "tool_use lookup_customer",
+        "◇ tool result lookup_customer",
+        "Alan Turing",
+        "✔ result (end_turn, 2 turn(s)",
+    ] {
+        assert!(stdout.contains(expected), "missing {expected:?} in:\n{stdout}");
+    }
+    let failed = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["query", "--addr", &lattice.url, "--agent", "nobody", "hi"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!failed.status.success());
+    assert!(String::from_utf8_lossy(&failed.stdout).contains("✘ NotFound"));
+
+    for shipped in std::fs::read_dir(workspace_root().join("deploy/examples")).unwrap().flatten() {
+        if shipped.path().extension().is_some_and(|e| e == "toml") {
+            let check = std::process::Command::new(workspace_binary("lattice"))
+                .arg("check-config")
+                .arg("--config")
+                .arg(shipped.path())
+                .output()
+                .unwrap();
+            assert!(check.status.success(), "{}: {}", shipped.path().display(), String::from_utf8_lossy(&check.stderr));
+        }
+    }
+    let bad = temp_dir("badcfg").join("bad.toml");
+    std::fs::write(&bad, "[[agents]]\nname = \"a b\"\n[agents.model]\nprovider = \"nope\"\n").unwrap();
+    let check = std::process::Command::new(workspace_binary("lattice"))
+        .arg("check-config")
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(check.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert!(
+        stderr.contains("bad.toml:2: agents[0].name") && stderr.contains("bad.toml:4: agents[0].model.provider"),
+        "{stderr}"
+    );
+}

