@@ -128,7 +128,8 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
                 endpoint: h.endpoint.clone(),
                 events: [(h.events.tool_result, "tool_result"), (h.events.model_request, "model_request")]
                     .into_iter()
-                    .filter_map(|(on, n)| on.then(|| n.to_owned()))
+                    .filter(|(on, _)| *on)
+                    .map(|(_, n)| n.to_owned())
                     .collect(),
                 deadline_ms: h.deadline.as_millis() as u64,
                 enabled: h.enabled,

@@ -179,14 +179,12 @@ impl AgentTools {
                 Some(declared) => declared.clone(),
                 None => discover(&def.name, &source.endpoint, client.clone(), settings.tool_discovery_timeout).await?,
             };
-            if let Some(only) = &source.only {
-                if let Some(name) = only.iter().find(|n| !specs.iter().any(|s| &s.name == *n)) {
-                    return Err(ToolSetupError::Missing {
-                        agent: def.name.clone(),
-                        endpoint: source.endpoint.clone(),
-                        name: name.clone(),
-                    });
-                }
+            if let Some(name) = source.only.iter().flatten().find(|n| !specs.iter().any(|s| &s.name == *n)) {
+                return Err(ToolSetupError::Missing {
+                    agent: def.name.clone(),
+                    endpoint: source.endpoint.clone(),
+                    name: name.clone(),
+                });
             }
             for spec in specs {
                 if source.only.as_ref().is_some_and(|only| !only.contains(&spec.name)) {
@@ -320,14 +318,8 @@ pub async fn call_remote(
         }
         Ok(Ok(reply)) => {
             let reply = reply.into_inner();
-            let content: Vec<String> = reply
-                .content
-                .into_iter()
-                .filter_map(|c| match c.kind {
-                    Some(pb::tool_content::Kind::Text(t)) => Some(t),
-                    None => None,
-                })
-                .collect();
+            let content: Vec<String> =
+                reply.content.into_iter().filter_map(|c| c.kind.map(|pb::tool_content::Kind::Text(t)| t)).collect();
             let result = ToolResult { tool_use_id: call.id.clone(), content, is_error: reply.is_error };
             let error = reply
                 .is_error
