@@ -18,7 +18,7 @@ use crate::{
     config::{AgentDef, Config, ServerSettings},
     domain::{Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
     hooks::{HookChain, HookCtx, HookError, ToolCallView},
-    model::{self, Model, ModelContext, ModelError},
+    model::{self, DeltaSink, Model, ModelContext, ModelError, ModelSetupError},
     tools::{AgentTools, Binding, CallCtx, CallOutcome, RawResult, ToolSetupError, call_remote},
     trace::{TraceEvent, TraceScope, Tracer},
 };
@@ -32,6 +32,13 @@ pub enum Event {
         turn: u32,
         /// The request.
         request: ModelRequest,
+    },
+    /// A piece of assistant text as it streams from the model.
+    TextDelta {
+        /// 1-based turn.
+        turn: u32,
+        /// The text to append.
+        text: String,
     },
     /// The model's reply.
     Assistant {
@@ -138,6 +145,9 @@ pub enum SetupError {
     /// Tools.
     #[error(transparent)]
     Tools(#[from] ToolSetupError),
+    /// A model.
+    #[error(transparent)]
+    Model(#[from] ModelSetupError),
     /// A hook endpoint.
     #[error("agent {agent:?}: hook {hook:?}: {source}")]
     Hook {
@@ -177,7 +187,7 @@ impl Runtime {
             let chain: Vec<String> =
                 def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
             info!(agent = %def.name, model = %def.model.label(), hooks = ?chain, "agent ready");
-            let runtime = AgentRuntime { def: def.clone(), model: model::build(&def.model), tools, hooks };
+            let runtime = AgentRuntime { def: def.clone(), model: model::build(&def.model)?, tools, hooks };
             order.push(def.name.clone());
             agents.insert(def.name.clone(), Arc::new(runtime));
         }
@@ -245,9 +255,26 @@ impl Runtime {
             }
             let mctx = ModelContext { agent: agent.def.name.clone(), query_id: ctx.query_id.clone(), turn };
             let started = Instant::now();
-            let reply = tokio::time::timeout_at(ctx.deadline, agent.model.complete(&request, &mctx))
+            // Streamed text is forwarded while the model answers; the sink
+            // is inactive for delegated runs (no client to see it).
+            let (delta_tx, mut delta_rx) = mpsc::unbounded_channel();
+            let sink = if ctx.events.is_some() {
+                DeltaSink::new(delta_tx)
+            } else {
+                // No sender may outlive the model call, or `forward` never ends.
+                drop(delta_tx);
+                DeltaSink::default()
+            };
+            let complete = agent.model.complete(&request, &mctx, sink);
+            let forward = async {
+                while let Some(text) = delta_rx.recv().await {
+                    ctx.send(Event::TextDelta { turn, text }).await;
+                }
+            };
+            let (reply, ()) = tokio::time::timeout_at(ctx.deadline, async { tokio::join!(complete, forward) })
                 .await
-                .map_err(|_| AgentError::DeadlineExceeded)??;
+                .map_err(|_| AgentError::DeadlineExceeded)?;
+            let reply = reply?;
             drop(request);
             debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), elapsed_ms = started.elapsed().as_millis() as u64, "model replied");
             usage += reply.usage;

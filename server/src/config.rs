@@ -45,6 +45,12 @@ pub mod defaults {
     pub const TOOL_DISCOVERY_TIMEOUT_MS: u64 = 10_000;
     /// The listen address.
     pub const LISTEN: &str = "127.0.0.1:50051";
+    /// Output tokens per model request.
+    pub const MODEL_MAX_TOKENS: u32 = 4096;
+    /// One model request's deadline, retries included.
+    pub const MODEL_DEADLINE_MS: u64 = 120_000;
+    /// Retries of a model request.
+    pub const MODEL_RETRIES: u32 = 3;
 }
 
 // ---------------------------------------------------------------- raw ----
@@ -104,6 +110,13 @@ struct RawModel {
     name: String,
     #[serde(default)]
     script: Vec<RawScriptTurn>,
+    base_url: Option<Spanned<String>>,
+    api_key_env: Option<Spanned<String>>,
+    max_tokens: Option<u32>,
+    temperature: Option<f64>,
+    deadline_ms: Option<u64>,
+    retries: Option<u32>,
+    stream: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -245,6 +258,69 @@ pub enum ModelConfig {
         /// One entry per turn.
         script: Vec<ScriptTurn>,
     },
+    /// A model behind an HTTP API.
+    Http(HttpModelConfig),
+}
+
+/// The HTTP APIs Lattice speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provider {
+    /// Anthropic Messages API.
+    Anthropic,
+    /// OpenAI-compatible Chat Completions (OpenAI, vLLM, Ollama, llama.cpp, LiteLLM …).
+    OpenAi,
+}
+
+impl Provider {
+    /// The name used in config and errors.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Provider::Anthropic => "anthropic",
+            Provider::OpenAi => "openai",
+        }
+    }
+}
+
+/// An HTTP model's settings.
+#[derive(Clone)]
+pub struct HttpModelConfig {
+    /// Which API.
+    pub provider: Provider,
+    /// The model name sent to the API.
+    pub model: String,
+    /// The API's base URL (without `/v1/...`).
+    pub base_url: String,
+    /// The environment variable the key was read from.
+    pub api_key_env: String,
+    /// The key itself (never printed: see `Debug`).
+    pub api_key: String,
+    /// Output token limit per request.
+    pub max_tokens: u32,
+    /// Sampling temperature (the API's default when unset).
+    pub temperature: Option<f64>,
+    /// One model request's deadline, retries included.
+    pub deadline: Duration,
+    /// Retries after the first attempt (429, 5xx, overloaded, connection errors).
+    pub retries: u32,
+    /// Stream the reply (text deltas reach the client as they arrive).
+    pub stream: bool,
+}
+
+impl fmt::Debug for HttpModelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpModelConfig")
+            .field("provider", &self.provider)
+            .field("model", &self.model)
+            .field("base_url", &self.base_url)
+            .field("api_key_env", &self.api_key_env)
+            .field("api_key", &"<redacted>")
+            .field("max_tokens", &self.max_tokens)
+            .field("temperature", &self.temperature)
+            .field("deadline", &self.deadline)
+            .field("retries", &self.retries)
+            .field("stream", &self.stream)
+            .finish()
+    }
 }
 
 impl ModelConfig {
@@ -252,6 +328,7 @@ impl ModelConfig {
     pub fn label(&self) -> String {
         match self {
             ModelConfig::Scripted { name, .. } => format!("scripted/{name}"),
+            ModelConfig::Http(h) => format!("{}/{}", h.provider.as_str(), h.model),
         }
     }
 }
@@ -653,13 +730,22 @@ impl Validator<'_> {
     }
 
     fn model(&mut self, i: usize, m: RawModel, span: std::ops::Range<usize>) -> ModelConfig {
-        match m.provider.get_ref().as_str() {
-            "scripted" => {}
-            other => self.problem(
-                Some(m.provider.span()),
-                format!("agents[{i}].model.provider"),
-                format!("unknown provider {other:?} (known: \"scripted\")"),
-            ),
+        let at = |f: &str| format!("agents[{i}].model.{f}");
+        let provider = match m.provider.get_ref().as_str() {
+            "scripted" => None,
+            "anthropic" => Some(Provider::Anthropic),
+            "openai" => Some(Provider::OpenAi),
+            other => {
+                self.problem(
+                    Some(m.provider.span()),
+                    at("provider"),
+                    format!("unknown provider {other:?} (known: \"scripted\", \"anthropic\", \"openai\")"),
+                );
+                None
+            }
+        };
+        if let Some(provider) = provider {
+            return ModelConfig::Http(self.http_model(i, provider, m, span));
         }
         let mut script = Vec::new();
         for (j, t) in m.script.into_iter().enumerate() {
@@ -672,7 +758,7 @@ impl Validator<'_> {
                 Some(other) => {
                     self.problem(
                         Some(span.clone()),
-                        format!("agents[{i}].model.script[{j}].stop_reason"),
+                        at(&format!("script[{j}].stop_reason")),
                         format!("unknown stop reason {other:?}"),
                     );
                     None
@@ -686,6 +772,80 @@ impl Validator<'_> {
             });
         }
         ModelConfig::Scripted { name: if m.name.is_empty() { "default".into() } else { m.name }, script }
+    }
+
+    fn http_model(
+        &mut self,
+        i: usize,
+        provider: Provider,
+        m: RawModel,
+        span: std::ops::Range<usize>,
+    ) -> HttpModelConfig {
+        let at = |f: &str| format!("agents[{i}].model.{f}");
+        if m.name.is_empty() {
+            self.problem(Some(span.clone()), at("name"), "name the model (e.g. \"claude-sonnet-4-5\" or \"gpt-4o\")");
+        }
+        if !m.script.is_empty() {
+            self.problem(Some(span.clone()), at("script"), "a script is for the scripted provider only");
+        }
+        let default_base = match provider {
+            Provider::Anthropic => "https://api.anthropic.com",
+            Provider::OpenAi => "https://api.openai.com",
+        };
+        let base_url = match &m.base_url {
+            Some(b) => {
+                let ok = reqwest::Url::parse(b.get_ref())
+                    .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+                if !ok {
+                    self.problem(
+                        Some(b.span()),
+                        at("base_url"),
+                        format!("{:?} is not an http:// or https:// URL", b.get_ref()),
+                    );
+                }
+                b.get_ref().trim_end_matches('/').to_owned()
+            }
+            None => default_base.to_owned(),
+        };
+        let (api_key_env, api_key) = match &m.api_key_env {
+            None => {
+                self.problem(
+                    Some(span.clone()),
+                    at("api_key_env"),
+                    "name the environment variable that holds the API key",
+                );
+                (String::new(), String::new())
+            }
+            Some(var) => match std::env::var(var.get_ref()) {
+                Ok(key) if !key.trim().is_empty() => (var.get_ref().clone(), key.trim().to_owned()),
+                _ => {
+                    self.problem(
+                        Some(var.span()),
+                        at("api_key_env"),
+                        format!("environment variable {:?} is not set", var.get_ref()),
+                    );
+                    (var.get_ref().clone(), String::new())
+                }
+            },
+        };
+        if m.max_tokens == Some(0) || m.deadline_ms == Some(0) {
+            self.problem(Some(span.clone()), at("max_tokens / deadline_ms"), "must be at least 1");
+        }
+        if m.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
+            self.problem(Some(span), at("temperature"), "must be between 0 and 2");
+        }
+        HttpModelConfig {
+            provider,
+            model: m.name,
+            base_url,
+            api_key_env,
+            api_key,
+            max_tokens: m.max_tokens.unwrap_or(defaults::MODEL_MAX_TOKENS).max(1),
+            temperature: m.temperature,
+            deadline: ms(m.deadline_ms.unwrap_or(defaults::MODEL_DEADLINE_MS).max(1)),
+            retries: m.retries.unwrap_or(defaults::MODEL_RETRIES),
+            stream: m.stream.unwrap_or(true),
+        }
     }
 
     /// Delegation must form no cycle: a cycle would recurse until the depth

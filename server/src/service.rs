@@ -79,6 +79,7 @@ fn event_to_pb(e: Event) -> PbEvent {
         Event::ModelRequest { turn, request } => {
             PbEvent::ModelRequest(pb::ModelRequestEvent { turn, ..(&request).into() })
         }
+        Event::TextDelta { turn, text } => PbEvent::TextDelta(pb::TextDelta { turn, text }),
         Event::Assistant { turn, content } => PbEvent::Assistant(pb::AssistantMessageEvent {
             turn,
             message: Some(pb::Message {

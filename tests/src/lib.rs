@@ -4,6 +4,7 @@
 //! run a query and look for a canary secret in every sink.
 
 pub mod bad_hook;
+pub mod fake_api;
 pub mod hook;
 pub mod tool;
 
@@ -67,6 +68,8 @@ pub struct Lattice {
     pub trace_dir: PathBuf,
     shutdown: Option<oneshot::Sender<()>>,
     handle: Option<JoinHandle<Result<(), String>>>,
+    /// When run as a process: the process and its log file.
+    process: Option<(Child, PathBuf)>,
 }
 
 /// A fresh empty directory under the system temp dir.
@@ -106,8 +109,13 @@ impl Lattice {
             .await
             .map_err(|e| e.to_string())
         });
-        let mut lattice =
-            Lattice { url: format!("http://{addr}"), trace_dir, shutdown: Some(tx), handle: Some(handle) };
+        let mut lattice = Lattice {
+            url: format!("http://{addr}"),
+            trace_dir,
+            shutdown: Some(tx),
+            handle: Some(handle),
+            process: None,
+        };
         // Ready when health answers (set-up, e.g. tool discovery, is done);
         // a set-up error ends `run` early.
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -124,6 +132,57 @@ impl Lattice {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Runs the `lattice` binary with `config` and extra environment
+    /// variables; its logs (RUST_LOG=trace) go to a file, see
+    /// [`Lattice::process_logs`].
+    pub async fn spawn(config: &str, env: &[(&str, &str)]) -> Lattice {
+        let dir = temp_dir("proc");
+        let trace_dir = dir.join("traces");
+        let config_path = dir.join("lattice.toml");
+        std::fs::write(
+            &config_path,
+            format!("{config}\n[server]\ntrace_dir = {:?}\n", trace_dir.display().to_string()),
+        )
+        .unwrap();
+        let (l, addr) = bind().await;
+        drop(l);
+        let log_path = dir.join("lattice.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let child = tokio::process::Command::new(workspace_binary("lattice"))
+            .args(["--log-format", "json", "serve", "--config"])
+            .arg(&config_path)
+            .args(["--listen", &addr.to_string()])
+            .env("RUST_LOG", "trace")
+            .envs(env.iter().copied())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the lattice binary");
+        let lattice = Lattice {
+            url: format!("http://{addr}"),
+            trace_dir,
+            shutdown: None,
+            handle: None,
+            process: Some((Child(child), log_path.clone())),
+        };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !lattice.healthy().await {
+            assert!(
+                Instant::now() < deadline,
+                "lattice did not start:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        lattice
+    }
+
+    /// The logs of a spawned process (empty for in-process servers, whose
+    /// logs are [`logs`]).
+    pub fn process_logs(&self) -> String {
+        self.process.as_ref().map(|(_, p)| std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default()
     }
 
     async fn healthy(&self) -> bool {

@@ -176,6 +176,8 @@ async fn the_cli_queries_and_checks_configs() {
                 .arg("check-config")
                 .arg("--config")
                 .arg(shipped.path())
+                .env("ANTHROPIC_API_KEY", "example")
+                .env("OPENAI_API_KEY", "example")
                 .output()
                 .unwrap();
             assert!(check.status.success(), "{}: {}", shipped.path().display(), String::from_utf8_lossy(&check.stderr));

@@ -20,7 +20,7 @@
 use crate::{
     config::ScriptTurn,
     domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
-    model::{Model, ModelContext, ModelError},
+    model::{DeltaSink, Model, ModelContext, ModelError},
 };
 
 /// The scripted model.
@@ -99,7 +99,12 @@ fn tokens(bytes: usize) -> u64 {
 
 #[tonic::async_trait]
 impl Model for Scripted {
-    async fn complete(&self, request: &ModelRequest, ctx: &ModelContext) -> Result<AssistantReply, ModelError> {
+    async fn complete(
+        &self,
+        request: &ModelRequest,
+        ctx: &ModelContext,
+        _deltas: DeltaSink,
+    ) -> Result<AssistantReply, ModelError> {
         let idx = ctx.turn.saturating_sub(1) as usize;
         let mut content = Vec::new();
         let stop_reason = match (self.script.is_empty(), self.script.get(idx)) {

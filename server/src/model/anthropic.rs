@@ -1,0 +1,255 @@
+//! The Anthropic Messages API: `POST {base}/v1/messages`.
+//!
+//! Streaming reads the SSE events `message_start`, `content_block_start`,
+//! `content_block_delta` (`text_delta`, `input_json_delta`),
+//! `content_block_stop`, `message_delta`, `message_stop`, `ping` and
+//! `error`; a stream that ends before `message_stop` is cut short.
+
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+use super::http::{Failure, HttpModel, Wire, json_body, tool_input};
+use crate::{
+    domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
+    model::{DeltaSink, Model, ModelContext, ModelError, ModelErrorKind},
+};
+
+/// The API version sent as `anthropic-version`.
+pub const API_VERSION: &str = "2023-06-01";
+
+#[derive(Debug)]
+pub(super) struct Anthropic(pub(super) HttpModel);
+
+/// The request body: exactly the post-hook request, in the API's shape.
+pub(crate) fn body(http: &HttpModel, req: &ModelRequest) -> Value {
+    let messages: Vec<Value> = req
+        .messages
+        .iter()
+        .map(|m| {
+            let content: Vec<Value> = m
+                .content
+                .iter()
+                .map(|b| match b {
+                    Block::Text { text } => json!({"type": "text", "text": text}),
+                    Block::ToolUse(t) => json!({"type": "tool_use", "id": t.id, "name": t.name, "input": t.input}),
+                    Block::ToolResult(r) => {
+                        let content: Vec<Value> =
+                            r.content.iter().map(|t| json!({"type": "text", "text": t})).collect();
+                        let mut v = json!({"type": "tool_result", "tool_use_id": r.tool_use_id, "content": content});
+                        if r.is_error {
+                            v["is_error"] = json!(true);
+                        }
+                        v
+                    }
+                })
+                .collect();
+            let role = match m.role {
+                Role::User => "user",
+                Role::Assistant => "assistant",
+            };
+            json!({"role": role, "content": content})
+        })
+        .collect();
+    let cfg = &http.cfg;
+    let mut body = json!({"model": cfg.model, "max_tokens": cfg.max_tokens, "messages": messages});
+    if !req.system.is_empty() {
+        body["system"] = json!(req.system);
+    }
+    if !req.tools.is_empty() {
+        let tools: Vec<Value> = req
+            .tools
+            .iter()
+            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))
+            .collect();
+        body["tools"] = json!(tools);
+    }
+    if let Some(t) = cfg.temperature {
+        body["temperature"] = json!(t);
+    }
+    if cfg.stream {
+        body["stream"] = json!(true);
+    }
+    body
+}
+
+fn stop_reason(s: Option<&str>) -> StopReason {
+    match s {
+        Some("tool_use") => StopReason::ToolUse,
+        Some("max_tokens") => StopReason::MaxTokens,
+        Some("stop_sequence") => StopReason::StopSequence,
+        _ => StopReason::EndTurn,
+    }
+}
+
+fn usage(u: &Value) -> Usage {
+    Usage {
+        input_tokens: u["input_tokens"].as_u64().unwrap_or(0),
+        output_tokens: u["output_tokens"].as_u64().unwrap_or(0),
+    }
+}
+
+fn block(v: &Value) -> Result<Option<Block>, Failure> {
+    Ok(match v["type"].as_str() {
+        Some("text") => Some(Block::Text { text: v["text"].as_str().unwrap_or_default().to_owned() }),
+        Some("tool_use") => {
+            let (Some(id), Some(name)) = (v["id"].as_str(), v["name"].as_str()) else {
+                return Err(Failure::invalid("a tool_use block lacks its id or name"));
+            };
+            let input = match &v["input"] {
+                Value::Object(o) => o.clone(),
+                Value::Null => Default::default(),
+                _ => return Err(Failure::invalid("a tool_use input is not a JSON object")),
+            };
+            Some(Block::ToolUse(ToolUse { id: id.into(), name: name.into(), input }))
+        }
+        // Other block kinds (thinking, …) are not part of the conversation
+        // Lattice keeps.
+        _ => None,
+    })
+}
+
+/// A block being streamed.
+enum Partial {
+    Text(String),
+    ToolUse { id: String, name: String, json: String },
+    Other,
+}
+
+fn error_event(v: &Value) -> Failure {
+    let kind = v["error"]["type"].as_str().unwrap_or("error").to_owned();
+    match kind.as_str() {
+        "overloaded_error" | "api_error" | "rate_limit_error" => Failure::retry(format!("stream error ({kind})")),
+        _ => Failure::Fatal(ModelErrorKind::InvalidRequest, format!("stream error ({kind})")),
+    }
+}
+
+#[tonic::async_trait]
+impl Wire for Anthropic {
+    fn request(&self, http: &HttpModel, body: &Value) -> reqwest::RequestBuilder {
+        http.client
+            .post(http.url("/v1/messages"))
+            .header("x-api-key", &http.cfg.api_key)
+            .header("anthropic-version", API_VERSION)
+            .json(body)
+    }
+
+    async fn read(
+        &self,
+        response: reqwest::Response,
+        stream: bool,
+        deltas: &DeltaSink,
+        delivered: &mut bool,
+    ) -> Result<AssistantReply, Failure> {
+        if !stream {
+            let v = json_body(response).await?;
+            let Some(content) = v["content"].as_array() else {
+                return Err(Failure::invalid("the response has no content array"));
+            };
+            let mut blocks = Vec::new();
+            for b in content {
+                blocks.extend(block(b)?);
+            }
+            return Ok(AssistantReply {
+                content: blocks,
+                stop_reason: stop_reason(v["stop_reason"].as_str()),
+                usage: usage(&v["usage"]),
+            });
+        }
+        let mut events = response.bytes_stream().eventsource();
+        let mut partials: Vec<Partial> = Vec::new();
+        let mut reply_usage = Usage::default();
+        let mut stop = None;
+        while let Some(event) = events.next().await {
+            let event = event.map_err(|_| Failure::retry("the event stream broke off"))?;
+            if event.event == "ping" {
+                continue;
+            }
+            let v: Value =
+                serde_json::from_str(&event.data).map_err(|_| Failure::invalid("a stream event is not valid JSON"))?;
+            match v["type"].as_str().unwrap_or(event.event.as_str()) {
+                "message_start" => {
+                    let u = usage(&v["message"]["usage"]);
+                    reply_usage.input_tokens = u.input_tokens;
+                    reply_usage.output_tokens = u.output_tokens;
+                }
+                "content_block_start" => {
+                    let b = &v["content_block"];
+                    partials.push(match b["type"].as_str() {
+                        Some("text") => {
+                            let t = b["text"].as_str().unwrap_or_default();
+                            deltas.send(t);
+                            *delivered |= !t.is_empty();
+                            Partial::Text(t.to_owned())
+                        }
+                        Some("tool_use") => Partial::ToolUse {
+                            id: b["id"].as_str().unwrap_or_default().to_owned(),
+                            name: b["name"].as_str().unwrap_or_default().to_owned(),
+                            json: String::new(),
+                        },
+                        _ => Partial::Other,
+                    });
+                }
+                "content_block_delta" => {
+                    let index = v["index"].as_u64().unwrap_or(u64::MAX) as usize;
+                    let delta = &v["delta"];
+                    match (partials.get_mut(index), delta["type"].as_str()) {
+                        (Some(Partial::Text(t)), Some("text_delta")) => {
+                            let piece = delta["text"].as_str().unwrap_or_default();
+                            deltas.send(piece);
+                            *delivered = true;
+                            t.push_str(piece);
+                        }
+                        (Some(Partial::ToolUse { json, .. }), Some("input_json_delta")) => {
+                            json.push_str(delta["partial_json"].as_str().unwrap_or_default());
+                        }
+                        (Some(Partial::Other), _) | (_, Some("thinking_delta" | "signature_delta")) => {}
+                        _ => return Err(Failure::invalid("a content_block_delta does not match its block")),
+                    }
+                }
+                "content_block_stop" => {}
+                "message_delta" => {
+                    stop = v["delta"]["stop_reason"].as_str().map(str::to_owned);
+                    if let Some(out) = v["usage"]["output_tokens"].as_u64() {
+                        reply_usage.output_tokens = out;
+                    }
+                }
+                "message_stop" => {
+                    let mut content = Vec::with_capacity(partials.len());
+                    for p in partials {
+                        match p {
+                            Partial::Text(text) => content.push(Block::Text { text }),
+                            Partial::ToolUse { id, name, json } => {
+                                if id.is_empty() || name.is_empty() {
+                                    return Err(Failure::invalid("a tool_use block lacks its id or name"));
+                                }
+                                content.push(Block::ToolUse(ToolUse { id, name, input: tool_input(&json)? }));
+                            }
+                            Partial::Other => {}
+                        }
+                    }
+                    return Ok(AssistantReply {
+                        content,
+                        stop_reason: stop_reason(stop.as_deref()),
+                        usage: reply_usage,
+                    });
+                }
+                "error" => return Err(error_event(&v)),
+                _ => {}
+            }
+        }
+        Err(Failure::retry("the event stream ended before message_stop"))
+    }
+}
+
+#[tonic::async_trait]
+impl Model for Anthropic {
+    async fn complete(
+        &self,
+        request: &ModelRequest,
+        _ctx: &ModelContext,
+        deltas: DeltaSink,
+    ) -> Result<AssistantReply, ModelError> {
+        self.0.execute(self, &body(&self.0, request), &deltas).await
+    }
+}

@@ -1,0 +1,228 @@
+//! What the HTTP providers share: one client per model, the retry loop
+//! (exponential backoff with jitter, `retry-after`, a retry budget, all
+//! within the request's deadline), and the mapping of HTTP failures to
+//! [`ModelError`]s that name the provider and the status, never content or
+//! the key.
+
+use std::{sync::Once, time::Duration};
+
+use serde_json::Value;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use crate::{
+    config::HttpModelConfig,
+    domain::AssistantReply,
+    model::{DeltaSink, ModelError, ModelErrorKind},
+};
+
+/// The longest `retry-after` honoured (a larger one gives up instead).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// How one attempt failed.
+#[derive(Debug)]
+pub(super) enum Failure {
+    /// Worth another attempt: 429, 5xx, overloaded, connection errors, a
+    /// stream cut short.
+    Retry {
+        /// What happened (no content).
+        message: String,
+        /// The server's `retry-after`.
+        retry_after: Option<Duration>,
+    },
+    /// Final.
+    Fatal(ModelErrorKind, String),
+}
+
+impl Failure {
+    pub(super) fn retry(message: impl Into<String>) -> Self {
+        Failure::Retry { message: message.into(), retry_after: None }
+    }
+
+    pub(super) fn invalid(message: impl Into<String>) -> Self {
+        Failure::Fatal(ModelErrorKind::InvalidResponse, message.into())
+    }
+}
+
+/// One provider's wire format.
+#[tonic::async_trait]
+pub(super) trait Wire: Send + Sync {
+    /// The HTTP request for `body` (URL, auth and version headers).
+    fn request(&self, http: &HttpModel, body: &Value) -> reqwest::RequestBuilder;
+    /// Reads a successful response, streamed or whole. `delivered` is set
+    /// once any text went to `deltas` (the attempt can't be retried then).
+    async fn read(
+        &self,
+        response: reqwest::Response,
+        stream: bool,
+        deltas: &DeltaSink,
+        delivered: &mut bool,
+    ) -> Result<AssistantReply, Failure>;
+}
+
+/// An HTTP model's client and settings.
+#[derive(Debug)]
+pub(super) struct HttpModel {
+    pub(super) cfg: HttpModelConfig,
+    pub(super) client: reqwest::Client,
+}
+
+static CRYPTO: Once = Once::new();
+
+impl HttpModel {
+    pub(super) fn new(cfg: HttpModelConfig) -> Result<Self, String> {
+        // rustls' process-wide provider: ring, installed once.
+        CRYPTO.call_once(|| {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        });
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .pool_idle_timeout(Duration::from_secs(60))
+            .user_agent(concat!("lattice/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        Ok(Self { cfg, client })
+    }
+
+    pub(super) fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.cfg.base_url)
+    }
+
+    fn error(&self, kind: ModelErrorKind, message: String) -> ModelError {
+        ModelError { provider: self.cfg.provider.as_str().to_owned(), kind, message }
+    }
+
+    /// Sends `body` until it succeeds, fails for good, runs out of retries,
+    /// or would pass the deadline.
+    pub(super) async fn execute(
+        &self,
+        wire: &dyn Wire,
+        body: &Value,
+        deltas: &DeltaSink,
+    ) -> Result<AssistantReply, ModelError> {
+        let deadline = Instant::now() + self.cfg.deadline;
+        let mut retries = 0;
+        let mut delivered = false;
+        loop {
+            let started = Instant::now();
+            let attempt = async {
+                let response = wire.request(self, body).send().await.map_err(|e| Failure::retry(describe(&e)))?;
+                if !response.status().is_success() {
+                    return Err(http_failure(response).await);
+                }
+                wire.read(response, self.cfg.stream, deltas, &mut delivered).await
+            };
+            let outcome = match tokio::time::timeout_at(deadline, attempt).await {
+                Ok(outcome) => outcome,
+                Err(_) => {
+                    let ms = self.cfg.deadline.as_millis();
+                    return Err(self.error(ModelErrorKind::Unavailable, format!("no complete answer within {ms} ms")));
+                }
+            };
+            let (message, retry_after) = match outcome {
+                Ok(reply) => {
+                    debug!(
+                        provider = self.cfg.provider.as_str(),
+                        retries,
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "model answered"
+                    );
+                    return Ok(reply);
+                }
+                Err(Failure::Fatal(kind, message)) => return Err(self.error(kind, message)),
+                Err(Failure::Retry { message, .. }) if delivered => {
+                    return Err(self.error(
+                        ModelErrorKind::InvalidResponse,
+                        format!("{message} after part of the reply was streamed (not retried)"),
+                    ));
+                }
+                Err(Failure::Retry { message, retry_after }) => (message, retry_after),
+            };
+            if retries >= self.cfg.retries {
+                return Err(
+                    self.error(ModelErrorKind::Unavailable, format!("{message} (gave up after {retries} retries)"))
+                );
+            }
+            let wait = match retry_after {
+                Some(w) if w > MAX_RETRY_AFTER => {
+                    return Err(self.error(
+                        ModelErrorKind::Unavailable,
+                        format!("{message} (retry-after {} s is too long)", w.as_secs()),
+                    ));
+                }
+                Some(w) => w,
+                None => backoff(retries),
+            };
+            if Instant::now() + wait >= deadline {
+                let ms = self.cfg.deadline.as_millis();
+                return Err(self
+                    .error(ModelErrorKind::Unavailable, format!("{message} (no time left to retry within {ms} ms)")));
+            }
+            warn!(provider = self.cfg.provider.as_str(), retry = retries + 1, wait_ms = wait.as_millis() as u64, reason = %message, "model request failed; retrying");
+            tokio::time::sleep(wait).await;
+            retries += 1;
+        }
+    }
+}
+
+/// 0.5 s, 1 s, 2 s … capped at 8 s, each scaled by a random 50-100 %.
+fn backoff(retry: u32) -> Duration {
+    let base = Duration::from_millis(500).saturating_mul(1 << retry.min(4)).min(Duration::from_secs(8));
+    let jitter = (uuid::Uuid::new_v4().as_u128() % 1000) as f64 / 1000.0;
+    base.mul_f64(0.5 + jitter / 2.0)
+}
+
+/// A transport error, without the URL's query or anything from the body.
+fn describe(e: &reqwest::Error) -> String {
+    if e.is_connect() {
+        "cannot connect".into()
+    } else if e.is_timeout() {
+        "timed out".into()
+    } else if e.is_body() || e.is_decode() {
+        "the response body broke off".into()
+    } else {
+        "the request failed".into()
+    }
+}
+
+/// Maps a non-2xx response: the status and the provider's error type (not
+/// its message, which may quote the request).
+async fn http_failure(response: reqwest::Response) -> Failure {
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64);
+    let body: Value = response.json().await.unwrap_or(Value::Null);
+    let error_type = body["error"]["type"].as_str().or(body["error"]["code"].as_str()).map(str::to_owned);
+    let message = match error_type {
+        Some(t) => format!("HTTP {status} ({t})"),
+        None => format!("HTTP {status}"),
+    };
+    match status {
+        401 => Failure::Fatal(ModelErrorKind::Unauthenticated, message),
+        403 => Failure::Fatal(ModelErrorKind::PermissionDenied, message),
+        408 | 409 | 429 | 500..=599 => Failure::Retry { message, retry_after },
+        _ => Failure::Fatal(ModelErrorKind::InvalidRequest, message),
+    }
+}
+
+/// Parses a JSON body, or says it isn't one.
+pub(super) async fn json_body(response: reqwest::Response) -> Result<Value, Failure> {
+    let bytes = response.bytes().await.map_err(|e| Failure::retry(describe(&e)))?;
+    serde_json::from_slice(&bytes).map_err(|_| Failure::invalid("the response is not valid JSON"))
+}
+
+/// Parses a tool call's input: a JSON object, empty meaning `{}`.
+pub(super) fn tool_input(raw: &str) -> Result<serde_json::Map<String, Value>, Failure> {
+    if raw.trim().is_empty() {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_str(raw) {
+        Ok(Value::Object(o)) => Ok(o),
+        _ => Err(Failure::invalid("a tool call's input is not a JSON object")),
+    }
+}
