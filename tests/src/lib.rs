@@ -4,6 +4,7 @@
 //! run a query and look for a canary secret in every sink.
 
 pub mod bad_hook;
+pub mod containers;
 pub mod fake_api;
 pub mod hook;
 pub mod tool;
@@ -177,6 +178,18 @@ impl Lattice {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         lattice
+    }
+
+    /// A client of a Lattice running elsewhere (a container), once healthy.
+    pub async fn remote(url: &str) -> Arc<Lattice> {
+        let lattice =
+            Lattice { url: url.to_owned(), trace_dir: temp_dir("remote"), shutdown: None, handle: None, process: None };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !lattice.healthy().await {
+            assert!(Instant::now() < deadline, "lattice at {url} is not healthy");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Arc::new(lattice)
     }
 
     /// The logs of a spawned process (empty for in-process servers, whose
@@ -566,4 +579,39 @@ pub async fn start_example_tools() -> (String, oneshot::Sender<()>) {
         let _ = rx.await;
     }));
     (format!("http://{addr}"), tx)
+}
+
+/// Starts the Python example hook (its code generated now from the .proto
+/// with grpcio-tools) on a free loopback port; returns its URL and process.
+pub async fn start_python_hook() -> (String, Child) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let gen_dir = temp_dir("pygen");
+    let example = workspace_root().join("hook-sdk/examples/python");
+    let status = tokio::process::Command::new("bash")
+        .arg(example.join("generate.sh"))
+        .arg(&gen_dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .await
+        .expect("bash");
+    assert!(
+        status.success(),
+        "generating the Python code failed: run `pip install -r hook-sdk/examples/python/requirements.txt`"
+    );
+    let mut child = tokio::process::Command::new("python3")
+        .arg(example.join("redact_hook.py"))
+        .args(["--listen", "127.0.0.1:0"])
+        .env("LATTICE_PY_GEN", &gen_dir)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .expect("the Python hook did not start")
+        .unwrap()
+        .unwrap();
+    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
+    (format!("http://127.0.0.1:{port}"), Child(child))
 }

@@ -2,17 +2,14 @@
 //! Python hook (generated from the .proto by grpcio-tools, here and now),
 //! the example tool service, and the `lattice` CLI.
 
-use std::{process::Stdio, time::Duration};
-
 use lattice_tests::{
-    Child, Lattice, cfg,
+    Lattice, cfg,
     hook::{Behaviour, HookServer, OnResult},
-    start_example, start_example_tools, temp_dir,
+    start_example, start_example_tools, start_python_hook, temp_dir,
     tool::ToolDef,
     tool::ToolServer,
     workspace_binary, workspace_root,
 };
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 const PII: [&str; 4] =
     ["ada.lovelace@example.com", "+44 20 7946 0958", "4111 1111 1111 1111", "sk_live_51HxQ2eZvKYlo2CExampleKey9"];
@@ -69,38 +66,6 @@ async fn the_truncate_example_shortens_requests_safely() {
     let sizes: Vec<usize> = out.model_requests().iter().map(|r| r.messages.len()).collect();
     assert_eq!(sizes, vec![1, 3, 3, 3]);
     assert_eq!(lattice.session(&out.session_id()).await.unwrap().messages.len(), 8);
-}
-
-async fn start_python_hook() -> (String, Child) {
-    let gen_dir = temp_dir("pygen");
-    let example = workspace_root().join("hook-sdk/examples/python");
-    let status = tokio::process::Command::new("bash")
-        .arg(example.join("generate.sh"))
-        .arg(&gen_dir)
-        .stdout(Stdio::null())
-        .status()
-        .await
-        .expect("bash");
-    assert!(
-        status.success(),
-        "generating the Python code failed: run `pip install -r hook-sdk/examples/python/requirements.txt`"
-    );
-    let mut child = tokio::process::Command::new("python3")
-        .arg(example.join("redact_hook.py"))
-        .args(["--listen", "127.0.0.1:0"])
-        .env("LATTICE_PY_GEN", &gen_dir)
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("python3");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-        .await
-        .expect("the Python hook did not start")
-        .unwrap()
-        .unwrap();
-    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
-    (format!("http://127.0.0.1:{port}"), Child(child))
 }
 
 /// A hook written in Python from the .proto alone runs in one chain with

@@ -1,0 +1,126 @@
+//! A scriptable peer for container tests: a hook or a tool service whose
+//! behaviour is set on its command line.
+//!
+//! - `lattice-test-peer hook --listen 0.0.0.0:50071 --append "[A]" --delay-ms 0`
+//!   appends a marker to every tool result (and to the system prompt of
+//!   every model request), after an optional delay.
+//! - `lattice-test-peer tool --listen 0.0.0.0:50061 --delay-ms 0 --text T`
+//!   offers `fetch`, answering `T` after the delay.
+//!
+//! Both handle SIGTERM (they run as PID 1 in their containers).
+
+use std::{net::SocketAddr, time::Duration};
+
+use clap::{Parser, Subcommand};
+use lattice_hook_sdk::{
+    Hook, ModelRequestCall, ModelRequestChange, Status, ToolResultBlock, ToolResultCall, async_trait, text_of,
+    with_text,
+};
+use lattice_proto::tools::v1::{self as pb, tool_service_server::ToolServiceServer};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// A hook service.
+    Hook {
+        #[arg(long)]
+        listen: SocketAddr,
+        /// Appended to tool results and system prompts.
+        #[arg(long, default_value = "")]
+        append: String,
+        /// Replaces a tool result's text (before appending).
+        #[arg(long)]
+        replace: Option<String>,
+        /// Wait this long in every call.
+        #[arg(long, default_value_t = 0)]
+        delay_ms: u64,
+    },
+    /// A tool service offering `fetch`.
+    Tool {
+        #[arg(long)]
+        listen: SocketAddr,
+        /// Wait this long in every call.
+        #[arg(long, default_value_t = 0)]
+        delay_ms: u64,
+        /// The answer.
+        #[arg(long, default_value = "fetched")]
+        text: String,
+    },
+}
+
+struct Appender {
+    marker: String,
+    replace: Option<String>,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Hook for Appender {
+    async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
+        tokio::time::sleep(self.delay).await;
+        let r = call.result.unwrap_or_default();
+        let text = self.replace.clone().unwrap_or_else(|| text_of(&r));
+        Ok(Some(with_text(&r, format!("{text}{}", self.marker))))
+    }
+
+    async fn on_model_request(&self, call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
+        tokio::time::sleep(self.delay).await;
+        Ok(ModelRequestChange::system(format!("{}{}", call.system, self.marker)))
+    }
+}
+
+struct Fetch {
+    delay: Duration,
+    text: String,
+}
+
+#[tonic::async_trait]
+impl pb::tool_service_server::ToolService for Fetch {
+    async fn list_tools(
+        &self,
+        _: tonic::Request<pb::ListToolsRequest>,
+    ) -> Result<tonic::Response<pb::ListToolsResponse>, Status> {
+        Ok(tonic::Response::new(pb::ListToolsResponse {
+            tools: vec![pb::Tool { name: "fetch".into(), description: "fetches".into(), input_schema: None }],
+        }))
+    }
+
+    async fn call_tool(
+        &self,
+        _: tonic::Request<pb::CallToolRequest>,
+    ) -> Result<tonic::Response<pb::CallToolResponse>, Status> {
+        tokio::time::sleep(self.delay).await;
+        Ok(tonic::Response::new(pb::CallToolResponse {
+            content: vec![pb::ToolContent { kind: Some(pb::tool_content::Kind::Text(self.text.clone())) }],
+            is_error: false,
+        }))
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+    match Cli::parse().role {
+        Role::Hook { listen, append, replace, delay_ms } => {
+            let hook = Appender { marker: append, replace, delay: Duration::from_millis(delay_ms) };
+            lattice_hook_sdk::serve(hook, listen).await?;
+        }
+        Role::Tool { listen, delay_ms, text } => {
+            let listener = tokio::net::TcpListener::bind(listen).await?;
+            tracing::info!(%listen, "tool serving");
+            tonic::transport::Server::builder()
+                .add_service(ToolServiceServer::new(Fetch { delay: Duration::from_millis(delay_ms), text }))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    lattice_hook_sdk::shutdown_signal(),
+                )
+                .await?;
+        }
+    }
+    Ok(())
+}

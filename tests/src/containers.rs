@@ -1,0 +1,163 @@
+//! Containers for fault injection: `FROM scratch` images around the static
+//! binaries `tests/run.sh` builds (no registry is needed), user-defined
+//! networks, and the Docker operations testcontainers lacks (kill, network
+//! disconnect/connect) through the `docker` CLI.
+
+use std::{path::PathBuf, process::Command, time::Duration};
+
+use testcontainers::{
+    ContainerAsync, GenericBuildableImage, GenericImage, ImageExt,
+    core::{ContainerPort, WaitFor},
+    runners::{AsyncBuilder, AsyncRunner},
+};
+
+/// The hook port inside peer containers.
+pub const HOOK_PORT: u16 = 50071;
+/// The tool port inside peer containers.
+pub const TOOL_PORT: u16 = 50061;
+/// Lattice's port inside its container.
+pub const LATTICE_PORT: u16 = 50051;
+
+/// Fails with a clear message when Docker can't be reached (never a skip).
+pub fn require_docker() {
+    let ok = Command::new("docker")
+        .args(["info", "--format", "{{.ServerVersion}}"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "Docker is not reachable: these tests run hooks, tools and Lattice in containers. Start dockerd (the CI script does)."
+    );
+}
+
+/// A static binary built by `tests/run.sh` (or `$LATTICE_STATIC_DIR`).
+pub fn static_bin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("LATTICE_STATIC_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| crate::workspace_root().join("target"))
+            .join("x86_64-unknown-linux-gnu/debug")
+    });
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the static binaries first (tests/run.sh does: RUSTFLAGS='-C target-feature=+crt-static' cargo build --target x86_64-unknown-linux-gnu --bin lattice --bin lattice-test-peer)",
+        path.display()
+    );
+    path
+}
+
+/// A unique name for this test process (networks, containers).
+pub fn unique(tag: &str) -> String {
+    format!("lattice-{tag}-{}", std::process::id())
+}
+
+/// The peer image (`lattice-test-peer hook|tool`).
+pub async fn peer_image() -> GenericImage {
+    require_docker();
+    GenericBuildableImage::new("lattice-test-peer", "dev")
+        .with_dockerfile_string("FROM scratch\nCOPY peer /peer\nENTRYPOINT [\"/peer\"]\n")
+        .with_file(static_bin("lattice-test-peer"), "peer")
+        .build_image()
+        .await
+        .expect("building the peer image")
+}
+
+/// The Lattice image: the static `lattice serve` reading
+/// `/etc/lattice/lattice.toml` (copied in by [`start_lattice`]).
+pub async fn lattice_image() -> GenericImage {
+    require_docker();
+    GenericBuildableImage::new("lattice-test-server", "dev")
+        .with_dockerfile_string(
+            "FROM scratch\nCOPY lattice /lattice\n\
+             ENTRYPOINT [\"/lattice\", \"serve\", \"--config\", \"/etc/lattice/lattice.toml\", \"--listen\", \"0.0.0.0:50051\"]\n",
+        )
+        .with_file(static_bin("lattice"), "lattice")
+        .build_image()
+        .await
+        .expect("building the lattice image")
+}
+
+/// Where and how to run a peer.
+#[derive(Debug, Clone, Default)]
+pub struct PeerOpts {
+    /// Join this network.
+    pub network: Option<String>,
+    /// The container's name (its DNS name on the network).
+    pub name: Option<String>,
+    /// Pin this host port (so it survives stop/start).
+    pub host_port: Option<u16>,
+}
+
+/// Starts a hook peer; `args` follow `hook --listen 0.0.0.0:50071`.
+pub async fn start_hook(image: &GenericImage, args: &[&str], opts: PeerOpts) -> ContainerAsync<GenericImage> {
+    let mut cmd = vec!["hook".to_owned(), "--listen".to_owned(), format!("0.0.0.0:{HOOK_PORT}")];
+    cmd.extend(args.iter().map(|a| a.to_string()));
+    start_peer(image, HOOK_PORT, cmd, "hook serving", opts).await
+}
+
+/// Starts a tool peer; `args` follow `tool --listen 0.0.0.0:50061`.
+pub async fn start_tool(image: &GenericImage, args: &[&str], opts: PeerOpts) -> ContainerAsync<GenericImage> {
+    let mut cmd = vec!["tool".to_owned(), "--listen".to_owned(), format!("0.0.0.0:{TOOL_PORT}")];
+    cmd.extend(args.iter().map(|a| a.to_string()));
+    start_peer(image, TOOL_PORT, cmd, "tool serving", opts).await
+}
+
+async fn start_peer(
+    image: &GenericImage,
+    port: u16,
+    cmd: Vec<String>,
+    ready: &str,
+    opts: PeerOpts,
+) -> ContainerAsync<GenericImage> {
+    let mut req = image
+        .clone()
+        .with_exposed_port(ContainerPort::Tcp(port))
+        .with_wait_for(WaitFor::message_on_stderr(ready))
+        .with_cmd(cmd)
+        .with_startup_timeout(Duration::from_secs(30));
+    if let Some(n) = opts.network {
+        req = req.with_network(n);
+    }
+    if let Some(n) = opts.name {
+        req = req.with_container_name(n);
+    }
+    if let Some(p) = opts.host_port {
+        req = req.with_mapped_port(p, ContainerPort::Tcp(port));
+    }
+    req.start().await.expect("starting a peer container")
+}
+
+/// Starts Lattice in a container with `config`, on `network`.
+pub async fn start_lattice(config: &str, network: &str) -> ContainerAsync<GenericImage> {
+    lattice_image()
+        .await
+        .with_exposed_port(ContainerPort::Tcp(LATTICE_PORT))
+        .with_wait_for(WaitFor::message_on_stderr("serving"))
+        .with_network(network)
+        .with_container_name(unique("server"))
+        .with_env_var("RUST_LOG", "trace")
+        .with_copy_to("/etc/lattice/lattice.toml", config.as_bytes().to_vec())
+        .with_startup_timeout(Duration::from_secs(30))
+        .start()
+        .await
+        .expect("starting the lattice container")
+}
+
+/// `http://127.0.0.1:<mapped port>`.
+pub async fn host_url(c: &ContainerAsync<GenericImage>, port: u16) -> String {
+    format!("http://127.0.0.1:{}", c.get_host_port_ipv4(ContainerPort::Tcp(port)).await.expect("a mapped port"))
+}
+
+/// Runs `docker ARGS`, panicking with its stderr on failure.
+pub fn docker(args: &[&str]) {
+    let out = Command::new("docker").args(args).output().expect("docker CLI");
+    assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Everything a container wrote to stdout and stderr.
+pub async fn container_logs(c: &ContainerAsync<GenericImage>) -> String {
+    let out = c.stdout_to_vec().await.unwrap_or_default();
+    let err = c.stderr_to_vec().await.unwrap_or_default();
+    String::from_utf8_lossy(&out).into_owned() + &String::from_utf8_lossy(&err)
+}

@@ -1,0 +1,278 @@
+//! Faults a process on loopback can't show, with hooks, tools and Lattice
+//! itself in containers (testcontainers; images built `FROM scratch` around
+//! static binaries): a paused hook, a stopped and restarted hook, a hook cut
+//! off the network, containers killed mid-call, DNS by container name, and
+//! SIGTERM to the server. Each case checks the outcome and that the canary
+//! secret reached no sink.
+
+use std::time::{Duration, Instant};
+
+use lattice_proto::hooks::v1::ToolErrorKind;
+use lattice_tests::{
+    Lattice, assert_no_leak, canary, cfg,
+    containers::{
+        HOOK_PORT, LATTICE_PORT, PeerOpts, TOOL_PORT, container_logs, docker, host_url, peer_image, start_hook,
+        start_lattice, start_tool, unique,
+    },
+    hook::{Behaviour, HookServer},
+    start_python_hook,
+    tool::{ToolDef, ToolServer},
+};
+use tonic::Code;
+
+/// One agent: a tool call, then an answer echoing what reached the model.
+fn agent_with(tools: &str, hooks: &[(&str, &str, u64)]) -> String {
+    let mut c =
+        cfg::agent("x", "") + &cfg::turn("go", &["fetch"]) + &cfg::turn("model saw {{last_tool_result}}", &[]) + tools;
+    for (name, url, deadline) in hooks {
+        c += &cfg::hook(name, url, &["tool_result"], *deadline);
+    }
+    c
+}
+
+/// Three hooks in three containers on a user-defined network: registered
+/// order holds and each sees the previous output.
+#[tokio::test(flavor = "multi_thread")]
+async fn three_hook_containers_keep_registered_order() {
+    let secret = canary();
+    let image = peer_image().await;
+    let net = unique("order");
+    let on_net = |name: &str| PeerOpts { network: Some(net.clone()), name: Some(unique(name)), host_port: None };
+    let a = start_hook(&image, &["--replace", "clean", "--append", "[A]"], on_net("a")).await;
+    let b = start_hook(&image, &["--append", "[B]"], on_net("b")).await;
+    let c = start_hook(&image, &["--append", "[C]"], on_net("c")).await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret)]).await;
+    let (ua, ub, uc) = (host_url(&a, HOOK_PORT).await, host_url(&b, HOOK_PORT).await, host_url(&c, HOOK_PORT).await);
+    let config = agent_with(&cfg::tools(&tools.url, 2000), &[("a", &ua, 2000), ("b", &ub, 2000), ("c", &uc, 2000)]);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "model saw clean[A][B][C]");
+    assert_no_leak(&secret, &lattice, &out);
+}
+
+/// The 2nd hook's container is paused mid-query: the query aborts at the
+/// hook's deadline (+ 50 ms); unpaused, the next query succeeds without a
+/// restart of anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_hook_aborts_at_its_deadline_and_recovers() {
+    let secret = canary();
+    let image = peer_image().await;
+    let first = start_hook(&image, &["--replace", "clean", "--append", "[1]"], PeerOpts::default()).await;
+    let second = start_hook(&image, &["--append", "[2]"], PeerOpts::default()).await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret).delay(Duration::from_millis(300))]).await;
+    let config = agent_with(
+        &cfg::tools(&tools.url, 2000),
+        &[("first", &host_url(&first, HOOK_PORT).await, 1000), ("second", &host_url(&second, HOOK_PORT).await, 500)],
+    );
+    let lattice = std::sync::Arc::new(Lattice::start(&config).await);
+    let ok = lattice.query("x", "go").await;
+    assert_eq!(ok.ok().text, "model saw clean[1][2]");
+
+    let l = lattice.clone();
+    let query = tokio::spawn(async move { l.query("x", "go").await });
+    tokio::time::sleep(Duration::from_millis(100)).await; // the tool is running
+    second.pause().await.unwrap();
+    let out = query.await.unwrap();
+    let meta = out.hook_failure();
+    assert_eq!((meta["hook"].as_str(), meta["kind"].as_str()), ("second", "deadline"));
+    // The tool (300 ms) and the first hook ran, then 500 ms for the second.
+    assert!(
+        out.elapsed >= Duration::from_millis(800) && out.elapsed <= ok.elapsed + Duration::from_millis(550),
+        "aborted after {:?} (a good query took {:?})",
+        out.elapsed,
+        ok.elapsed
+    );
+    assert_no_leak(&secret, &lattice, &out);
+
+    second.unpause().await.unwrap();
+    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean[1][2]");
+}
+
+/// A stopped hook container aborts queries (unavailable); started again on
+/// the same host port, the next queries succeed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_hook_aborts_and_recovers_when_started() {
+    let secret = canary();
+    let image = peer_image().await;
+    let (l, addr) = lattice_tests::bind().await;
+    drop(l);
+    let hook =
+        start_hook(&image, &["--replace", "clean"], PeerOpts { host_port: Some(addr.port()), ..Default::default() })
+            .await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret)]).await;
+    let config = agent_with(&cfg::tools(&tools.url, 2000), &[("redact", &format!("http://{addr}"), 1000)]);
+    let lattice = Lattice::start(&config).await;
+    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
+
+    hook.stop().await.unwrap();
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.hook_failure()["kind"], "unavailable");
+    assert_no_leak(&secret, &lattice, &out);
+
+    hook.start().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = lattice.query("x", "go").await;
+        if out.status.is_none() {
+            assert_eq!(out.ok().text, "model saw clean");
+            break;
+        }
+        assert_no_leak(&secret, &lattice, &out);
+        assert!(Instant::now() < deadline, "the restarted hook never became usable: {:?}", out.status);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A hook container killed during a call aborts the query; nothing of the
+/// pending value leaks.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_killed_mid_call_aborts_without_leaking() {
+    let secret = canary();
+    let image = peer_image().await;
+    let slow = start_hook(&image, &["--replace", "clean", "--delay-ms", "3000"], PeerOpts::default()).await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret)]).await;
+    let config = agent_with(&cfg::tools(&tools.url, 2000), &[("redact", &host_url(&slow, HOOK_PORT).await, 5000)]);
+    let lattice = std::sync::Arc::new(Lattice::start(&config).await);
+    let l = lattice.clone();
+    let query = tokio::spawn(async move { l.query("x", "go").await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    docker(&["kill", slow.id()]);
+    let out = query.await.unwrap();
+    let meta = out.hook_failure();
+    assert_eq!(meta["hook"], "redact");
+    assert!(out.elapsed < Duration::from_millis(2500), "took {:?}", out.elapsed);
+    assert_no_leak(&secret, &lattice, &out);
+}
+
+/// A tool container killed mid-call gives an error tool result (not an
+/// abort), and the OnToolResult chain still runs on it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_killed_mid_call_gives_an_error_result_through_the_chain() {
+    let image = peer_image().await;
+    let tool = start_tool(&image, &["--delay-ms", "3000"], PeerOpts::default()).await;
+    let hook = HookServer::start(Behaviour::default()).await;
+    let config = agent_with(&cfg::tools(&host_url(&tool, TOOL_PORT).await, 10_000), &[("watch", &hook.url, 1000)]);
+    let lattice = std::sync::Arc::new(Lattice::start(&config).await);
+    let l = lattice.clone();
+    let query = tokio::spawn(async move { l.query("x", "go").await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    docker(&["kill", tool.id()]);
+    let out = query.await.unwrap();
+    let text = out.ok().text.clone();
+    assert!(text.starts_with("model saw tool \"fetch\" failed"), "{text}");
+    assert!(out.tool_results()[0].result.as_ref().unwrap().is_error);
+    let seen = hook.state.tool_results();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].error.as_ref().unwrap().kind, ToolErrorKind::RpcFailed as i32);
+}
+
+/// Lattice itself in a container reaches its hook and tool by container
+/// name on a user-defined network (as in Kubernetes), is queried through a
+/// mapped port, and on SIGTERM lets the in-flight query finish and exits
+/// promptly.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
+    let secret = canary();
+    let image = peer_image().await;
+    let net = unique("dns");
+    let (tool_name, hook_name) = (unique("tools"), unique("redact"));
+    let on_net = |name: &str| PeerOpts { network: Some(net.clone()), name: Some(name.to_owned()), host_port: None };
+    let _tool = start_tool(&image, &["--delay-ms", "1500", "--text", &secret], on_net(&tool_name)).await;
+    let _hook = start_hook(&image, &["--replace", "clean", "--append", "[h]"], on_net(&hook_name)).await;
+    let config = agent_with(
+        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 5000),
+        &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), 2000)],
+    );
+    let server = start_lattice(&config, &net).await;
+    let url = host_url(&server, LATTICE_PORT).await;
+    let client = Lattice::remote(&url).await;
+    assert_eq!(client.query("x", "go").await.ok().text, "model saw clean[h]");
+
+    let c = client.clone();
+    let in_flight = tokio::spawn(async move { c.query("x", "go").await });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    docker(&["kill", "--signal", "TERM", server.id()]);
+    let signalled = Instant::now();
+    let out = in_flight.await.unwrap();
+    match &out.status {
+        None => assert_eq!(out.ok().text, "model saw clean[h]"),
+        Some(s) => assert!(matches!(s.code(), Code::Unavailable | Code::Cancelled), "not a clean failure: {s:?}"),
+    }
+    while server.is_running().await.unwrap_or(false) {
+        assert!(signalled.elapsed() < Duration::from_secs(5), "the server did not exit after SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(server.exit_code().await.unwrap(), Some(0));
+    let logs = container_logs(&server).await;
+    assert!(logs.contains("shutting down"), "{logs}");
+    assert!(!logs.contains(&secret), "the canary reached the server's logs");
+    assert!(!out.everything().contains(&secret));
+}
+
+/// A hook cut off the network mid-query (`docker network disconnect`)
+/// aborts the query at its deadline; reconnected, queries work again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_cut_off_the_network_aborts_at_its_deadline_and_recovers() {
+    let secret = canary();
+    let image = peer_image().await;
+    let net = unique("cut");
+    let (tool_name, hook_name) = (unique("tools"), unique("hook"));
+    let on_net = |name: &str| PeerOpts { network: Some(net.clone()), name: Some(name.to_owned()), host_port: None };
+    // The tool takes 1 s, so the cut lands mid-query, before the hook call.
+    let _tool = start_tool(&image, &["--delay-ms", "1000", "--text", &secret], on_net(&tool_name)).await;
+    let _hook = start_hook(&image, &["--replace", "clean"], on_net(&hook_name)).await;
+    let config = agent_with(
+        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 5000),
+        &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), 700)],
+    );
+    let server = start_lattice(&config, &net).await;
+    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
+    assert_eq!(client.query("x", "go").await.ok().text, "model saw clean");
+
+    let c = client.clone();
+    let query = tokio::spawn(async move { c.query("x", "go").await });
+    tokio::time::sleep(Duration::from_millis(100)).await; // the tool is running
+    docker(&["network", "disconnect", &net, &hook_name]);
+    let out = query.await.unwrap();
+    let meta = out.hook_failure();
+    assert_eq!((meta["hook"].as_str(), meta["kind"].as_str()), ("redact", "deadline"));
+    assert!(out.elapsed < Duration::from_millis(1000 + 700 + 250), "took {:?}", out.elapsed);
+    assert!(!out.everything().contains(&secret));
+
+    docker(&["network", "connect", &net, &hook_name]);
+    let deadline = Instant::now() + Duration::from_secs(45);
+    loop {
+        let out = client.query("x", "go").await;
+        if out.status.is_none() {
+            assert_eq!(out.ok().text, "model saw clean");
+            break;
+        }
+        assert!(!out.everything().contains(&secret));
+        assert!(Instant::now() < deadline, "no recovery after reconnecting: {:?}", out.status);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
+}
+
+/// The Python example hook (a host process on loopback) in one chain with
+/// containerized Rust hooks.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_hook_chains_with_containerized_rust_hooks() {
+    let image = peer_image().await;
+    let a = start_hook(&image, &["--append", " [A]"], PeerOpts::default()).await;
+    let b = start_hook(&image, &["--append", " [B]"], PeerOpts::default()).await;
+    let (python, _py) = start_python_hook().await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", "mail ada@example.com")]).await;
+    let config = agent_with(
+        &cfg::tools(&tools.url, 2000),
+        &[
+            ("a", &host_url(&a, HOOK_PORT).await, 2000),
+            ("python", &python, 2000),
+            ("b", &host_url(&b, HOOK_PORT).await, 2000),
+        ],
+    );
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "model saw mail [REDACTED:email] [A] [B]");
+    assert_no_leak("ada@example.com", &lattice, &out);
+}
