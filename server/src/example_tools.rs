@@ -112,6 +112,7 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<ToolServiceServer<CustomerTools>>().await;
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     info!(addr = ?listener.local_addr().ok(), "example tools serving");
     tonic::transport::Server::builder()
         .add_service(health_svc)

@@ -69,6 +69,7 @@ pub async fn run(
 
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<AgentServiceServer<AgentSvc>>().await;
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
 
     // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -86,6 +87,8 @@ pub async fn run(
         shutdown.await;
         info!("shutting down: refusing new connections, finishing in-flight queries");
         health.set_not_serving::<AgentServiceServer<AgentSvc>>().await;
+        // The overall status ("") is what Kubernetes' grpc probes check by default.
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     };
     tonic::transport::Server::builder()
         .add_service(health_svc)

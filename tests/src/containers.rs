@@ -63,19 +63,18 @@ pub async fn peer_image() -> GenericImage {
         .expect("building the peer image")
 }
 
-/// The Lattice image: the static `lattice serve` reading
-/// `/etc/lattice/lattice.toml` (copied in by [`start_lattice`]).
+/// The Lattice image, built from the shipped `deploy/docker/Dockerfile`
+/// around the static debug build; the config is copied in by
+/// [`start_lattice`].
 pub async fn lattice_image() -> GenericImage {
     require_docker();
     GenericBuildableImage::new("lattice-test-server", "dev")
-        .with_dockerfile_string(
-            "FROM scratch\nCOPY lattice /lattice\n\
-             ENTRYPOINT [\"/lattice\", \"serve\", \"--config\", \"/etc/lattice/lattice.toml\", \"--listen\", \"0.0.0.0:50051\"]\n",
-        )
+        .with_dockerfile(crate::workspace_root().join("deploy/docker/Dockerfile"))
         .with_file(static_bin("lattice"), "lattice")
+        .with_file("/etc/ssl/certs/ca-certificates.crt", "ca-certificates.crt")
         .build_image()
         .await
-        .expect("building the lattice image")
+        .expect("building the lattice image from deploy/docker/Dockerfile")
 }
 
 /// Where and how to run a peer.
@@ -136,6 +135,7 @@ pub async fn start_lattice(config: &str, network: &str) -> ContainerAsync<Generi
         .with_wait_for(WaitFor::message_on_stderr("serving"))
         .with_network(network)
         .with_container_name(unique("server"))
+        .with_cmd(["serve", "--config", "/etc/lattice/lattice.toml", "--listen", "0.0.0.0:50051"])
         .with_env_var("RUST_LOG", "trace")
         .with_copy_to("/etc/lattice/lattice.toml", config.as_bytes().to_vec())
         .with_startup_timeout(Duration::from_secs(30))

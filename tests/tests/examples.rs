@@ -135,7 +135,8 @@ async fn the_cli_queries_and_checks_configs() {
     assert!(!failed.status.success());
     assert!(String::from_utf8_lossy(&failed.stdout).contains("✘ NotFound"));
 
-    for shipped in std::fs::read_dir(workspace_root().join("deploy/examples")).unwrap().flatten() {
+    let shipped_dirs = [workspace_root().join("deploy/examples"), workspace_root().join("deploy/k8s")];
+    for shipped in shipped_dirs.iter().flat_map(|d| std::fs::read_dir(d).unwrap().flatten()) {
         if shipped.path().extension().is_some_and(|e| e == "toml") {
             let check = std::process::Command::new(workspace_binary("lattice"))
                 .arg("check-config")
