@@ -176,13 +176,8 @@ impl Runtime {
         let mut agents = HashMap::new();
         let mut order = Vec::new();
         for def in &config.agents {
-            let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes).map_err(|source| {
-                SetupError::Hook {
-                    agent: def.name.clone(),
-                    hook: def.hooks.first().map(|h| h.name.clone()).unwrap_or_default(),
-                    source,
-                }
-            })?;
+            let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes)
+                .map_err(|(hook, source)| SetupError::Hook { agent: def.name.clone(), hook, source })?;
             let tools = AgentTools::build(def, &config.server).await?;
             let chain: Vec<String> =
                 def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();

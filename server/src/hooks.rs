@@ -188,10 +188,15 @@ fn grpc_timeout(d: Duration) -> MetadataValue<tonic::metadata::Ascii> {
 
 impl HookChain {
     /// The chain of `agent`'s enabled hooks (disabled entries are skipped).
-    pub fn new(agent: &str, defs: &[HookDef], max_message_bytes: usize) -> Result<Self, tonic::transport::Error> {
+    /// On error, names the hook whose endpoint could not be used.
+    pub fn new(
+        agent: &str,
+        defs: &[HookDef],
+        max_message_bytes: usize,
+    ) -> Result<Self, (String, tonic::transport::Error)> {
         let mut hooks = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
-            let channel = lazy_channel(&d.endpoint, d.deadline)?;
+            let channel = lazy_channel(&d.endpoint, d.deadline).map_err(|e| (d.name.clone(), e))?;
             let client = pb::hook_service_client::HookServiceClient::new(channel)
                 .max_decoding_message_size(max_message_bytes)
                 .max_encoding_message_size(max_message_bytes);
