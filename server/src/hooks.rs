@@ -314,16 +314,32 @@ impl HookChain {
     {
         let started = Instant::now();
         let call_deadline = ctx.deadline.min(started + hook.deadline);
-        let span = info_span!("hook", agent = %self.agent, hook = %hook.name, event = %event, subject = %subject);
+        // One span per call; `outcome` and `elapsed_ms` are recorded when it ends.
+        let span = info_span!(
+            "hook",
+            agent = %self.agent,
+            hook = %hook.name,
+            event = %event,
+            subject = %subject,
+            budget_ms = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            elapsed_ms = tracing::field::Empty,
+        );
         let fail = |failure: HookFailure| {
             let elapsed_ms = started.elapsed().as_millis() as u64;
-            warn!(parent: &span, kind = failure.kind(), code = ?match &failure { HookFailure::Status(c) => Some(*c), _ => None }, elapsed_ms, "hook failed");
+            span.record("outcome", failure.kind()).record("elapsed_ms", elapsed_ms);
+            let code = match &failure {
+                HookFailure::Status(c) => Some(*c),
+                _ => None,
+            };
+            warn!(parent: &span, kind = failure.kind(), code = ?code, elapsed_ms, "hook failed");
             self.error(hook, event, subject.clone(), failure)
         };
         let budget = call_deadline.saturating_duration_since(started);
         if budget.is_zero() {
             return Err(fail(HookFailure::Deadline));
         }
+        span.record("budget_ms", budget.as_millis() as u64);
         let mut request = tonic::Request::new(message);
         request.metadata_mut().insert("grpc-timeout", grpc_timeout(budget));
         let outcome = tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await;
@@ -331,7 +347,9 @@ impl HookChain {
             Err(_elapsed) => Err(fail(HookFailure::Deadline)),
             Ok(Err(status)) => Err(fail(classify(&status, call_deadline))),
             Ok(Ok(reply)) => {
-                debug!(parent: &span, elapsed_ms = started.elapsed().as_millis() as u64, "hook answered");
+                let elapsed_ms = started.elapsed().as_millis() as u64;
+                span.record("outcome", "ok").record("elapsed_ms", elapsed_ms);
+                debug!(parent: &span, elapsed_ms, "hook answered");
                 Ok(reply.into_inner())
             }
         }

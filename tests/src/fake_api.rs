@@ -48,6 +48,10 @@ pub enum Reply {
     /// A 200 `text/event-stream` whose text is sent as is, then the
     /// connection closes (so a stream without its end event is cut short).
     Sse(String),
+    /// A 200 `text/event-stream` that sends this text and then never ends;
+    /// when the client closes the connection, the time is recorded in
+    /// [`FakeApi::closed`].
+    Hang(String),
 }
 
 impl Reply {
@@ -83,6 +87,8 @@ pub struct FakeApi {
     replies: Arc<Mutex<VecDeque<Reply>>>,
     /// Sent when the scripted replies run out.
     pub fallback: Arc<Mutex<Reply>>,
+    /// When clients closed [`Reply::Hang`] connections.
+    pub closed: Arc<Mutex<Vec<Instant>>>,
 }
 
 impl FakeApi {
@@ -93,10 +99,11 @@ impl FakeApi {
         let replies = Arc::new(Mutex::new(VecDeque::from(replies)));
         let fallback =
             Arc::new(Mutex::new(Reply::status(500, serde_json::json!({"error": {"type": "no_more_replies"}}))));
-        let (r, q, f) = (requests.clone(), replies.clone(), fallback.clone());
+        let closed = Arc::new(Mutex::new(Vec::new()));
+        let (r, q, f, c) = (requests.clone(), replies.clone(), fallback.clone(), closed.clone());
         tokio::spawn(async move {
             while let Ok((mut sock, _)) = listener.accept().await {
-                let (r, q, f) = (r.clone(), q.clone(), f.clone());
+                let (r, q, f, c) = (r.clone(), q.clone(), f.clone(), c.clone());
                 tokio::spawn(async move {
                     let Some(req) = read_request(&mut sock).await else { return };
                     r.lock().unwrap().push(req);
@@ -115,13 +122,24 @@ impl FakeApi {
                         Reply::Sse(text) => format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n{text}"
                         ),
+                        Reply::Hang(text) => {
+                            let head = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n{text}"
+                            );
+                            let _ = sock.write_all(head.as_bytes()).await;
+                            let mut sink = [0u8; 1024];
+                            // Until the client goes away.
+                            while matches!(sock.read(&mut sink).await, Ok(n) if n > 0) {}
+                            c.lock().unwrap().push(Instant::now());
+                            return;
+                        }
                     };
                     let _ = sock.write_all(bytes.as_bytes()).await;
                     let _ = sock.shutdown().await;
                 });
             }
         });
-        FakeApi { url: format!("http://{addr}"), requests, replies, fallback }
+        FakeApi { url: format!("http://{addr}"), requests, replies, fallback, closed }
     }
 
     /// Requests so far.

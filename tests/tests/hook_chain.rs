@@ -352,6 +352,12 @@ async fn a_hook_that_never_answers_aborts_at_its_deadline() {
     assert!(waited >= Duration::from_millis(390) && waited <= Duration::from_millis(450), "aborted after {waited:?}");
     let sent: u64 = call.grpc_timeout.as_deref().unwrap().trim_end_matches('u').parse().unwrap();
     assert!((300_000..=400_000).contains(&sent), "grpc-timeout {sent}u");
+    // The call's span carries hook, event, budget, outcome and duration.
+    let logs = lattice_tests::logs();
+    let line = logs.lines().find(|l| l.contains("hook failed")).expect("a hook failure log line");
+    for field in ["hook=h", "event=tool_result", "budget_ms=", "outcome=", "deadline", "elapsed_ms="] {
+        assert!(line.contains(field), "{field} missing from {line}");
+    }
 }
 
 /// A query deadline shorter than the hook's caps the hook's budget: the

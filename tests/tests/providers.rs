@@ -412,3 +412,32 @@ async fn bad_provider_config_is_refused_at_start_up() {
     );
     assert!(err.contains("agents[1].model.base_url: \"ftp://nowhere\" is not an http:// or https:// URL"), "{err}");
 }
+
+/// Cancelling the client stream while the model is answering cancels the
+/// model request: the API sees its connection closed within 50 ms.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_cancel_cancels_the_model_request() {
+    use tokio_stream::StreamExt;
+    let start = json!({"type": "message_start", "message": {"usage": {"input_tokens": 1, "output_tokens": 1}}});
+    let api = FakeApi::start(vec![Reply::Hang(format!("event: message_start\ndata: {start}\n\n"))]).await;
+    let lattice = spawn(&agent(P::Anthropic, &api.url, "")).await;
+    let mut client = lattice.client().await;
+    let request =
+        lattice_proto::agent::v1::QueryRequest { agent: "m".into(), prompt: "hi".into(), ..Default::default() };
+    let mut stream = client.query(request).await.unwrap().into_inner();
+    let _started = stream.next().await;
+    let waiting = std::time::Instant::now();
+    while api.received().is_empty() {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "the model request never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let dropped = std::time::Instant::now();
+    drop(stream);
+    drop(client);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let closed = api.closed.lock().unwrap().clone();
+    assert_eq!(closed.len(), 1, "the model request was not cancelled");
+    let after = closed[0].duration_since(dropped);
+    assert!(after < Duration::from_millis(50), "cancelled {after:?} after the client went away");
+}
