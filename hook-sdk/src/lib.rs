@@ -39,7 +39,6 @@ use lattice_proto::hooks::v1::{
     hook_service_server::{HookService, HookServiceServer},
 };
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use lattice_proto::agent::v1::{ContentBlock, Message, Role, TextBlock, ToolResultBlock, ToolSpec, content_block};
 pub use lattice_proto::hooks::v1::{
@@ -275,9 +274,16 @@ pub async fn serve_on(
         .add_service(v1)
         .add_service(v1alpha)
         .add_service(HookServer::new(hook).into_service())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await
         .map_err(ServeError::Transport)
+}
+
+/// Accepted connections with TCP_NODELAY: without it, small gRPC frames
+/// wait for delayed ACKs (~40 ms a round trip), and a hook sits on the
+/// critical path of every model request and tool result.
+fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -11,11 +11,10 @@ use lattice_proto::tools::v1::{
 };
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use crate::convert;
+use crate::{convert, incoming};
 
 /// The embedded customers (fictional).
 const CUSTOMERS: &str = r#"[
@@ -117,6 +116,6 @@ pub async fn serve(
     tonic::transport::Server::builder()
         .add_service(health_svc)
         .add_service(ToolServiceServer::new(CustomerTools::default()))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await
 }

@@ -78,9 +78,12 @@ impl BadHook {
         tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()
                 .add_service(Svc)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                    let _ = rx.await;
-                })
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = rx.await;
+                    },
+                )
                 .await;
         });
         BadHook { url: format!("http://{addr}"), _shutdown: tx }

@@ -166,9 +166,12 @@ impl HookServer {
         tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                    let _ = rx.await;
-                })
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = rx.await;
+                    },
+                )
                 .await;
         });
         HookServer { url: format!("http://{addr}"), state, shutdown: Some(tx) }

@@ -89,9 +89,12 @@ impl ToolServer {
         tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                    let _ = rx.await;
-                })
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = rx.await;
+                    },
+                )
                 .await;
         });
         ToolServer { url: format!("http://{addr}"), state, shutdown: Some(tx) }

@@ -116,7 +116,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             tonic::transport::Server::builder()
                 .add_service(ToolServiceServer::new(Fetch { delay: Duration::from_millis(delay_ms), text }))
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                     lattice_hook_sdk::shutdown_signal(),
                 )
                 .await?;
