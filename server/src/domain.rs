@@ -184,7 +184,8 @@ pub fn text_of(content: &[Block]) -> String {
 /// tool_result in the next (user) message, and every tool_result answers a
 /// tool_use of the message before it. An empty list is valid.
 ///
-/// The error names positions and ids, never content.
+/// The error names positions only: never content, nor ids (which, in a
+/// hook's reply, could hold anything).
 pub fn validate_conversation(messages: &[Message]) -> Result<(), String> {
     let mut pending: Vec<&str> = Vec::new();
     for (i, m) in messages.iter().enumerate() {
@@ -198,31 +199,30 @@ pub fn validate_conversation(messages: &[Message]) -> Result<(), String> {
             return Err(format!("message {i} has no content"));
         }
         let mut answered: Vec<&str> = Vec::new();
-        for b in &m.content {
+        for (j, b) in m.content.iter().enumerate() {
             match (b, m.role) {
                 (Block::ToolUse(_), Role::User) => {
-                    return Err(format!("message {i} (user) holds a tool_use block"));
+                    return Err(format!("message {i} (user) block {j} is a tool_use"));
                 }
                 (Block::ToolResult(_), Role::Assistant) => {
-                    return Err(format!("message {i} (assistant) holds a tool_result block"));
+                    return Err(format!("message {i} (assistant) block {j} is a tool_result"));
                 }
                 (Block::ToolResult(r), Role::User) => {
                     if !pending.contains(&r.tool_use_id.as_str()) {
                         return Err(format!(
-                            "message {i}: tool_result {:?} answers no tool_use of the previous message",
-                            r.tool_use_id
+                            "message {i} block {j}: a tool_result answers no tool_use of the previous message"
                         ));
                     }
                     if answered.contains(&r.tool_use_id.as_str()) {
-                        return Err(format!("message {i}: tool_use {:?} answered twice", r.tool_use_id));
+                        return Err(format!("message {i} block {j}: a tool_use is answered twice"));
                     }
                     answered.push(&r.tool_use_id);
                 }
                 _ => {}
             }
         }
-        if let Some(missing) = pending.iter().find(|id| !answered.contains(id)) {
-            return Err(format!("message {i}: tool_use {missing:?} has no tool_result"));
+        if pending.iter().any(|id| !answered.contains(id)) {
+            return Err(format!("message {}: a tool_use has no tool_result in message {i}", i - 1));
         }
         pending = m
             .content
@@ -233,8 +233,8 @@ pub fn validate_conversation(messages: &[Message]) -> Result<(), String> {
             })
             .collect();
     }
-    if let Some(missing) = pending.first() {
-        return Err(format!("tool_use {missing:?} in the last message has no tool_result"));
+    if !pending.is_empty() {
+        return Err(format!("message {}: a tool_use has no tool_result", messages.len() - 1));
     }
     Ok(())
 }

@@ -240,10 +240,8 @@ impl HookChain {
                 .await?;
             if let Some(replacement) = reply.result {
                 if replacement.tool_use_id != call.tool_use_id {
-                    let why = format!(
-                        "replacement tool_use_id {:?} differs from {:?}",
-                        replacement.tool_use_id, call.tool_use_id
-                    );
+                    // The replacement's id is the hook's text: not repeated.
+                    let why = "the replacement's tool_use_id differs from the result's".to_owned();
                     return Err(self.error(hook, HookEvent::ToolResult, subject(), HookFailure::InvalidReply(why)));
                 }
                 result = replacement.into();

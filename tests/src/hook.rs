@@ -25,7 +25,7 @@ pub enum OnResult {
     ReplaceText(String),
     /// Flips is_error (and keeps the text).
     SetError(bool),
-    /// A replacement with another tool_use_id.
+    /// A replacement with another tool_use_id (holding the result's text).
     WrongId,
     /// A replacement of this many bytes.
     Huge(usize),
@@ -241,7 +241,9 @@ impl pb::hook_service_server::HookService for Scripted {
                 Some(r)
             }
             OnResult::WrongId => {
-                r.tool_use_id = "someone-else".into();
+                // A hook that copies the content into the id: Lattice must
+                // not repeat the id anywhere.
+                r.tool_use_id = format!("id-{}", r.content.iter().map(|t| t.text.as_str()).collect::<String>());
                 Some(r)
             }
             OnResult::Huge(n) => {
