@@ -20,8 +20,9 @@
 //! }
 //!
 //! #[tokio::main]
-//! async fn main() -> Result<(), lattice_hook_sdk::ServeError> {
-//!     lattice_hook_sdk::serve(Shout, "127.0.0.1:50071".parse().unwrap()).await
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     lattice_hook_sdk::serve(Shout, "127.0.0.1:50071".parse()?).await?;
+//!     Ok(())
 //! }
 //! ```
 //!

@@ -44,7 +44,8 @@ pub mod defaults {
     /// How long start-up waits for ListTools of each tool service.
     pub const TOOL_DISCOVERY_TIMEOUT_MS: u64 = 10_000;
     /// The listen address.
-    pub const LISTEN: &str = "127.0.0.1:50051";
+    pub const LISTEN: std::net::SocketAddr =
+        std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 50051);
     /// Output tokens per model request.
     pub const MODEL_MAX_TOKENS: u32 = 4096;
     /// One model request's deadline, retries included.
@@ -564,9 +565,9 @@ impl Validator<'_> {
                     "server.listen",
                     format!("{:?} is not an address like 0.0.0.0:50051", l.get_ref()),
                 );
-                defaults::LISTEN.parse().expect("the default listen address parses")
+                defaults::LISTEN
             }),
-            None => defaults::LISTEN.parse().expect("the default listen address parses"),
+            None => defaults::LISTEN,
         };
         for (v, f) in [
             (s.max_concurrent_queries.map(|v| v as u64), "server.max_concurrent_queries"),
@@ -858,7 +859,7 @@ impl Validator<'_> {
             let mut stack: Vec<Vec<&str>> = vec![vec![a.name.as_str()]];
             let mut visited = HashSet::new();
             while let Some(path) = stack.pop() {
-                let last = *path.last().expect("paths are never empty");
+                let Some(&last) = path.last() else { continue };
                 for next in edges.get(last).into_iter().flatten() {
                     if *next == a.name && path.len() > 1 {
                         let cycle = path.join(" -> ") + " -> " + next;
