@@ -9,7 +9,7 @@ use std::{
     task::{Context, Poll},
 };
 
-use tokio::sync::oneshot;
+use crate::Background;
 use tonic::{
     Status,
     body::Body,
@@ -67,25 +67,14 @@ impl tower::Service<http::Request<Body>> for Svc {
 pub struct BadHook {
     /// `http://127.0.0.1:PORT`.
     pub url: String,
-    _shutdown: oneshot::Sender<()>,
+    _server: Background,
 }
 
 impl BadHook {
     /// Starts it.
     pub async fn start() -> BadHook {
         let (listener, addr) = crate::bind().await;
-        let (tx, rx) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(Svc)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    async {
-                        let _ = rx.await;
-                    },
-                )
-                .await;
-        });
-        BadHook { url: format!("http://{addr}"), _shutdown: tx }
+        let server = Background::serve(listener, tonic::service::Routes::new(Svc));
+        BadHook { url: format!("http://{addr}"), _server: server }
     }
 }

@@ -6,11 +6,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::Background;
 use lattice_proto::{
     agent::v1 as apb,
     hooks::v1::{self as pb, hook_service_server::HookServiceServer},
 };
-use tokio::sync::oneshot;
 use tonic::{Code, Request, Response, Status};
 
 /// What the hook does with a tool result.
@@ -136,15 +136,7 @@ pub struct HookServer {
     pub url: String,
     /// Its state.
     pub state: Arc<State>,
-    shutdown: Option<oneshot::Sender<()>>,
-}
-
-impl Drop for HookServer {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-    }
+    server: Background,
 }
 
 impl HookServer {
@@ -161,27 +153,16 @@ impl HookServer {
         behaviour: Behaviour,
     ) -> HookServer {
         let state = Arc::new(State { behaviour: Mutex::new(behaviour), calls: Mutex::new(vec![]) });
-        let (tx, rx) = oneshot::channel::<()>();
-        let svc = HookServiceServer::new(Scripted(state.clone())).max_encoding_message_size(64 << 20);
-        tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    async {
-                        let _ = rx.await;
-                    },
-                )
-                .await;
-        });
-        HookServer { url: format!("http://{addr}"), state, shutdown: Some(tx) }
+        let routes = tonic::service::Routes::new(
+            HookServiceServer::new(Scripted(state.clone())).max_encoding_message_size(64 << 20),
+        );
+        let server = Background::serve(listener, routes);
+        HookServer { url: format!("http://{addr}"), state, server }
     }
 
     /// Stops the server (its port closes).
     pub fn stop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+        self.server.stop();
     }
 }
 

@@ -615,3 +615,37 @@ pub async fn start_python_hook() -> (String, Child) {
     let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
     (format!("http://127.0.0.1:{port}"), Child(child))
 }
+
+/// A tonic server running in the background on a bound listener; it stops
+/// (its port closes) on [`Background::stop`] or when dropped.
+pub struct Background(Option<oneshot::Sender<()>>);
+
+impl Background {
+    /// Serves `routes` on `listener` (with TCP_NODELAY) until stopped.
+    pub fn serve(listener: TcpListener, routes: tonic::service::Routes) -> Background {
+        let (tx, rx) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            let _ = tonic::transport::Server::builder()
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        Background(Some(tx))
+    }
+
+    /// Stops the server.
+    pub fn stop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

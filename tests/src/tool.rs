@@ -9,8 +9,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::Background;
 use lattice_proto::tools::v1::{self as pb, tool_service_server::ToolServiceServer};
-use tokio::sync::oneshot;
 use tonic::{Code, Request, Response, Status};
 
 /// One scripted tool.
@@ -68,15 +68,7 @@ pub struct ToolServer {
     pub url: String,
     /// Its state.
     pub state: Arc<ToolState>,
-    shutdown: Option<oneshot::Sender<()>>,
-}
-
-impl Drop for ToolServer {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-    }
+    server: Background,
 }
 
 impl ToolServer {
@@ -84,27 +76,14 @@ impl ToolServer {
     pub async fn start(tools: Vec<ToolDef>) -> ToolServer {
         let (listener, addr) = crate::bind().await;
         let state = Arc::new(ToolState { tools: Mutex::new(tools), ..Default::default() });
-        let (tx, rx) = oneshot::channel::<()>();
-        let svc = ToolServiceServer::new(Scripted(state.clone()));
-        tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    async {
-                        let _ = rx.await;
-                    },
-                )
-                .await;
-        });
-        ToolServer { url: format!("http://{addr}"), state, shutdown: Some(tx) }
+        let server =
+            Background::serve(listener, tonic::service::Routes::new(ToolServiceServer::new(Scripted(state.clone()))));
+        ToolServer { url: format!("http://{addr}"), state, server }
     }
 
     /// Stops the server (its port closes).
     pub fn stop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+        self.server.stop();
     }
 }
 
