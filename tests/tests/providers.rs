@@ -359,6 +359,82 @@ async fn a_stream_cut_after_content_fails_without_retry() {
     }
 }
 
+/// A stream that reports an error of `kind` in the provider's own way,
+/// after `text` if given.
+fn stream_error(p: P, kind: &str, text: Option<&str>) -> Reply {
+    let mut ev = vec![];
+    match p {
+        P::Anthropic => {
+            ev.push((
+                Some("message_start"),
+                json!({"type": "message_start", "message": {"usage": {"input_tokens": 1}}}),
+            ));
+            ev.push((Some("ping"), json!({"type": "ping"})));
+            if let Some(text) = text {
+                ev.push((
+                    Some("content_block_start"),
+                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                ));
+                ev.push((
+                    Some("content_block_delta"),
+                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
+                ));
+            }
+            ev.push((Some("error"), json!({"type": "error", "error": {"type": kind, "message": "details"}})));
+        }
+        P::OpenAi => {
+            if let Some(text) = text {
+                ev.push((None, json!({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})));
+            }
+            ev.push((None, json!({"error": {"type": kind, "message": "details"}})));
+        }
+    }
+    Reply::sse(&ev)
+}
+
+/// An error reported inside the stream: an overloaded server before any
+/// content is retried; after content it fails the query without a retry; a
+/// request error is not retried and fails as FAILED_PRECONDITION.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_error_inside_the_stream_is_retried_only_when_nothing_was_streamed() {
+    for p in [P::Anthropic, P::OpenAi] {
+        let overloaded = match p {
+            P::Anthropic => "overloaded_error",
+            P::OpenAi => "server_error",
+        };
+        let invalid = "invalid_request_error";
+        let good = match p {
+            P::Anthropic => anthropic_stream("recovered", &[], "end_turn", (2, 3)),
+            P::OpenAi => openai_stream("recovered", &[], "stop", (2, 3)),
+        };
+
+        let api = FakeApi::start(vec![stream_error(p, overloaded, None), good]).await;
+        let lattice = spawn(&agent(p, &api.url, "")).await;
+        let out = lattice.query("m", "hi").await;
+        assert_eq!(out.ok().text, "recovered", "{p:?}");
+        assert_eq!(api.received().len(), 2, "{p:?}: retried once");
+
+        let api = FakeApi::start(vec![stream_error(p, overloaded, Some("Half"))]).await;
+        *api.fallback.lock().unwrap() = final_reply(p, "must not be used", "end_turn");
+        let lattice = spawn(&agent(p, &api.url, "")).await;
+        let out = lattice.query("m", "hi").await;
+        assert_eq!(out.code(), Code::Internal, "{p:?}: {:?}", out.status);
+        let message = out.status.as_ref().unwrap().message();
+        assert!(message.contains("after part of the reply was streamed") && message.contains(overloaded), "{message}");
+        assert_eq!(api.received().len(), 1, "{p:?}: not retried");
+
+        let api = FakeApi::start(vec![stream_error(p, invalid, None)]).await;
+        *api.fallback.lock().unwrap() = final_reply(p, "must not be used", "end_turn");
+        let lattice = spawn(&agent(p, &api.url, "")).await;
+        let out = lattice.query("m", "hi").await;
+        assert_eq!(out.code(), Code::FailedPrecondition, "{p:?}: {:?}", out.status);
+        let message = out.status.as_ref().unwrap().message();
+        assert!(message.contains(p.name()) && message.contains(invalid), "{message}");
+        assert_eq!(api.received().len(), 1, "{p:?}: not retried");
+        assert_key_never_leaks(&lattice, &out);
+    }
+}
+
 /// A response that is not JSON fails the query with a clear error.
 #[tokio::test(flavor = "multi_thread")]
 async fn invalid_json_fails_clearly() {
