@@ -84,8 +84,13 @@ pub struct PeerOpts {
     pub network: Option<String>,
     /// The container's name (its DNS name on the network).
     pub name: Option<String>,
-    /// Pin this host port (so it survives stop/start).
-    pub host_port: Option<u16>,
+}
+
+impl PeerOpts {
+    /// On `network`, named `name`.
+    pub fn on(network: &str, name: &str) -> Self {
+        PeerOpts { network: Some(network.to_owned()), name: Some(name.to_owned()) }
+    }
 }
 
 /// Starts a hook peer; `args` follow `hook --listen 0.0.0.0:50071`.
@@ -121,9 +126,6 @@ async fn start_peer(
     if let Some(n) = opts.name {
         req = req.with_container_name(n);
     }
-    if let Some(p) = opts.host_port {
-        req = req.with_mapped_port(p, ContainerPort::Tcp(port));
-    }
     req.start().await.expect("starting a peer container")
 }
 
@@ -153,6 +155,14 @@ pub async fn host_url(c: &ContainerAsync<GenericImage>, port: u16) -> String {
 pub fn docker(args: &[&str]) {
     let out = Command::new("docker").args(args).output().expect("docker CLI");
     assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The container's address on `network`.
+pub fn container_ip(c: &ContainerAsync<GenericImage>, network: &str) -> String {
+    let format = format!("{{{{(index .NetworkSettings.Networks {network:?}).IPAddress}}}}");
+    let out = Command::new("docker").args(["inspect", "--format", &format, c.id()]).output().expect("docker CLI");
+    assert!(out.status.success(), "docker inspect: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 /// Everything a container wrote to stdout and stderr.

@@ -1,6 +1,6 @@
 //! Faults a process on loopback can't show, with hooks, tools and Lattice
 //! itself in containers (testcontainers; images built `FROM scratch` around
-//! static binaries): a paused hook, a stopped and restarted hook, a hook cut
+//! static binaries): a paused hook, a stopped hook restarted at a new address, a hook cut
 //! off the network, containers killed mid-call, DNS by container name, and
 //! SIGTERM to the server. Each case checks the outcome and that the canary
 //! secret reached no sink.
@@ -11,8 +11,8 @@ use lattice_proto::hooks::v1::ToolErrorKind;
 use lattice_tests::{
     Lattice, assert_no_leak, canary, cfg,
     containers::{
-        HOOK_PORT, LATTICE_PORT, PeerOpts, TOOL_PORT, container_logs, docker, host_url, peer_image, start_hook,
-        start_lattice, start_tool, unique,
+        HOOK_PORT, LATTICE_PORT, PeerOpts, TOOL_PORT, container_ip, container_logs, docker, host_url, peer_image,
+        start_hook, start_lattice, start_tool, unique,
     },
     hook::{Behaviour, HookServer},
     start_python_hook,
@@ -37,7 +37,7 @@ async fn three_hook_containers_keep_registered_order() {
     let secret = canary();
     let image = peer_image().await;
     let net = unique("order");
-    let on_net = |name: &str| PeerOpts { network: Some(net.clone()), name: Some(unique(name)), host_port: None };
+    let on_net = |name: &str| PeerOpts::on(&net, &unique(name));
     let a = start_hook(&image, &["--replace", "clean", "--append", "[A]"], on_net("a")).await;
     let b = start_hook(&image, &["--append", "[B]"], on_net("b")).await;
     let c = start_hook(&image, &["--append", "[C]"], on_net("c")).await;
@@ -88,39 +88,49 @@ async fn a_paused_hook_aborts_at_its_deadline_and_recovers() {
     assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean[1][2]");
 }
 
-/// A stopped hook container aborts queries (unavailable); started again on
-/// the same host port, the next queries succeed.
+/// A stopped hook container aborts queries (unavailable: its name no
+/// longer resolves); started again with another address, as a restarted
+/// Kubernetes pod, the next queries succeed: Lattice, in a container
+/// itself, resolves the hook's name again when it reconnects.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_stopped_hook_aborts_and_recovers_when_started() {
+async fn a_stopped_hook_aborts_and_recovers_at_its_new_address() {
     let secret = canary();
     let image = peer_image().await;
-    let (l, addr) = lattice_tests::bind().await;
-    drop(l);
-    let hook =
-        start_hook(&image, &["--replace", "clean"], PeerOpts { host_port: Some(addr.port()), ..Default::default() })
-            .await;
-    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret)]).await;
-    let config = agent_with(&cfg::tools(&tools.url, 2000), &[("redact", &format!("http://{addr}"), 1000)]);
-    let lattice = Lattice::start(&config).await;
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
+    let net = unique("restart");
+    let (tool_name, hook_name) = (unique("tools"), unique("redact"));
+    let _tool = start_tool(&image, &["--text", &secret], PeerOpts::on(&net, &tool_name)).await;
+    let hook = start_hook(&image, &["--replace", "clean"], PeerOpts::on(&net, &hook_name)).await;
+    let config = agent_with(
+        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 2000),
+        &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), 1000)],
+    );
+    let server = start_lattice(&config, &net).await;
+    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
+    assert_eq!(client.query("x", "go").await.ok().text, "model saw clean");
+    let first_address = container_ip(&hook, &net);
 
     hook.stop().await.unwrap();
-    let out = lattice.query("x", "go").await;
+    // Another container takes the freed address, so the hook comes back
+    // elsewhere.
+    let _squatter = start_tool(&image, &[], PeerOpts::on(&net, &unique("squatter"))).await;
+    let out = client.query("x", "go").await;
     assert_eq!(out.hook_failure()["kind"], "unavailable");
-    assert_no_leak(&secret, &lattice, &out);
+    assert!(!out.everything().contains(&secret));
 
     hook.start().await.unwrap();
+    assert_ne!(container_ip(&hook, &net), first_address, "the restarted hook kept its address");
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let out = lattice.query("x", "go").await;
+        let out = client.query("x", "go").await;
         if out.status.is_none() {
             assert_eq!(out.ok().text, "model saw clean");
             break;
         }
-        assert_no_leak(&secret, &lattice, &out);
+        assert!(!out.everything().contains(&secret));
         assert!(Instant::now() < deadline, "the restarted hook never became usable: {:?}", out.status);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
 }
 
 /// A hook container killed during a call aborts the query; nothing of the
@@ -176,7 +186,7 @@ async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
     let image = peer_image().await;
     let net = unique("dns");
     let (tool_name, hook_name) = (unique("tools"), unique("redact"));
-    let on_net = |name: &str| PeerOpts { network: Some(net.clone()), name: Some(name.to_owned()), host_port: None };
+    let on_net = |name: &str| PeerOpts::on(&net, name);
     let _tool = start_tool(&image, &["--delay-ms", "1500", "--text", &secret], on_net(&tool_name)).await;
     let _hook = start_hook(&image, &["--replace", "clean", "--append", "[h]"], on_net(&hook_name)).await;
     let config = agent_with(
@@ -217,7 +227,7 @@ async fn a_hook_cut_off_the_network_aborts_at_its_deadline_and_recovers() {
     let image = peer_image().await;
     let net = unique("cut");
     let (tool_name, hook_name) = (unique("tools"), unique("hook"));
-    let on_net = |name: &str| PeerOpts { network: Some(net.clone()), name: Some(name.to_owned()), host_port: None };
+    let on_net = |name: &str| PeerOpts::on(&net, name);
     // The tool takes 1 s, so the cut lands mid-query, before the hook call.
     let _tool = start_tool(&image, &["--delay-ms", "1000", "--text", &secret], on_net(&tool_name)).await;
     let _hook = start_hook(&image, &["--replace", "clean"], on_net(&hook_name)).await;
