@@ -5,7 +5,10 @@
 //! SIGTERM to the server. Each case checks the outcome and that the canary
 //! secret reached no sink.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use lattice_proto::hooks::v1::ToolErrorKind;
 use lattice_tests::{
@@ -18,6 +21,7 @@ use lattice_tests::{
     start_python_hook,
     tool::{ToolDef, ToolServer},
 };
+use testcontainers::{ContainerAsync, GenericImage};
 use tonic::Code;
 
 /// One agent: a tool call, then an answer echoing what reached the model.
@@ -28,6 +32,35 @@ fn agent_with(tools: &str, hooks: &[(&str, &str, u64)]) -> String {
         c += &cfg::hook(name, url, &["tool_result"], *deadline);
     }
     c
+}
+
+/// A tool, one hook (`redact`) and Lattice itself, each a container on one
+/// user-defined network, reaching each other by name as in Kubernetes.
+struct OnNetwork {
+    net: String,
+    _tool: ContainerAsync<GenericImage>,
+    hook: ContainerAsync<GenericImage>,
+    hook_name: String,
+    server: ContainerAsync<GenericImage>,
+    client: Arc<Lattice>,
+}
+
+impl OnNetwork {
+    /// `tool` and `hook` are the peers' arguments; the deadlines are in ms.
+    async fn start(tag: &str, tool: &[&str], tool_deadline: u64, hook: &[&str], hook_deadline: u64) -> Self {
+        let image = peer_image().await;
+        let net = unique(tag);
+        let (tool_name, hook_name) = (unique("tools"), unique("redact"));
+        let tool_container = start_tool(&image, tool, PeerOpts::on(&net, &tool_name)).await;
+        let hook = start_hook(&image, hook, PeerOpts::on(&net, &hook_name)).await;
+        let config = agent_with(
+            &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), tool_deadline),
+            &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), hook_deadline)],
+        );
+        let server = start_lattice(&config, &net).await;
+        let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
+        OnNetwork { net, _tool: tool_container, hook, hook_name, server, client }
+    }
 }
 
 /// Three hooks in three containers on a user-defined network: registered
@@ -95,33 +128,23 @@ async fn a_paused_hook_aborts_at_its_deadline_and_recovers() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_hook_aborts_and_recovers_at_its_new_address() {
     let secret = canary();
-    let image = peer_image().await;
-    let net = unique("restart");
-    let (tool_name, hook_name) = (unique("tools"), unique("redact"));
-    let _tool = start_tool(&image, &["--text", &secret], PeerOpts::on(&net, &tool_name)).await;
-    let hook = start_hook(&image, &["--replace", "clean"], PeerOpts::on(&net, &hook_name)).await;
-    let config = agent_with(
-        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 2000),
-        &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), 1000)],
-    );
-    let server = start_lattice(&config, &net).await;
-    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
-    assert_eq!(client.query("x", "go").await.ok().text, "model saw clean");
-    let first_address = container_ip(&hook, &net);
+    let on = OnNetwork::start("restart", &["--text", &secret], 2000, &["--replace", "clean"], 1000).await;
+    assert_eq!(on.client.query("x", "go").await.ok().text, "model saw clean");
+    let first_address = container_ip(&on.hook, &on.net);
 
-    hook.stop().await.unwrap();
+    on.hook.stop().await.unwrap();
     // Another container takes the freed address, so the hook comes back
     // elsewhere.
-    let _squatter = start_tool(&image, &[], PeerOpts::on(&net, &unique("squatter"))).await;
-    let out = client.query("x", "go").await;
+    let _squatter = start_tool(&peer_image().await, &[], PeerOpts::on(&on.net, &unique("squatter"))).await;
+    let out = on.client.query("x", "go").await;
     assert_eq!(out.hook_failure()["kind"], "unavailable");
     assert!(!out.everything().contains(&secret));
 
-    hook.start().await.unwrap();
-    assert_ne!(container_ip(&hook, &net), first_address, "the restarted hook kept its address");
+    on.hook.start().await.unwrap();
+    assert_ne!(container_ip(&on.hook, &on.net), first_address, "the restarted hook kept its address");
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let out = client.query("x", "go").await;
+        let out = on.client.query("x", "go").await;
         if out.status.is_none() {
             assert_eq!(out.ok().text, "model saw clean");
             break;
@@ -130,7 +153,7 @@ async fn a_stopped_hook_aborts_and_recovers_at_its_new_address() {
         assert!(Instant::now() < deadline, "the restarted hook never became usable: {:?}", out.status);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
+    assert!(!container_logs(&on.server).await.contains(&secret), "the canary reached the server's logs");
 }
 
 /// A hook container killed during a call aborts the query; nothing of the
@@ -183,37 +206,32 @@ async fn a_tool_killed_mid_call_gives_an_error_result_through_the_chain() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
     let secret = canary();
-    let image = peer_image().await;
-    let net = unique("dns");
-    let (tool_name, hook_name) = (unique("tools"), unique("redact"));
-    let on_net = |name: &str| PeerOpts::on(&net, name);
-    let _tool = start_tool(&image, &["--delay-ms", "1500", "--text", &secret], on_net(&tool_name)).await;
-    let _hook = start_hook(&image, &["--replace", "clean", "--append", "[h]"], on_net(&hook_name)).await;
-    let config = agent_with(
-        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 5000),
-        &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), 2000)],
-    );
-    let server = start_lattice(&config, &net).await;
-    let url = host_url(&server, LATTICE_PORT).await;
-    let client = Lattice::remote(&url).await;
-    assert_eq!(client.query("x", "go").await.ok().text, "model saw clean[h]");
+    let on = OnNetwork::start(
+        "dns",
+        &["--delay-ms", "1500", "--text", &secret],
+        5000,
+        &["--replace", "clean", "--append", "[h]"],
+        2000,
+    )
+    .await;
+    assert_eq!(on.client.query("x", "go").await.ok().text, "model saw clean[h]");
 
-    let c = client.clone();
+    let c = on.client.clone();
     let in_flight = tokio::spawn(async move { c.query("x", "go").await });
     tokio::time::sleep(Duration::from_millis(400)).await;
-    docker(&["kill", "--signal", "TERM", server.id()]);
+    docker(&["kill", "--signal", "TERM", on.server.id()]);
     let signalled = Instant::now();
     let out = in_flight.await.unwrap();
     match &out.status {
         None => assert_eq!(out.ok().text, "model saw clean[h]"),
         Some(s) => assert!(matches!(s.code(), Code::Unavailable | Code::Cancelled), "not a clean failure: {s:?}"),
     }
-    while server.is_running().await.unwrap_or(false) {
+    while on.server.is_running().await.unwrap_or(false) {
         assert!(signalled.elapsed() < Duration::from_secs(5), "the server did not exit after SIGTERM");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(server.exit_code().await.unwrap(), Some(0));
-    let logs = container_logs(&server).await;
+    assert_eq!(on.server.exit_code().await.unwrap(), Some(0));
+    let logs = container_logs(&on.server).await;
     assert!(logs.contains("shutting down"), "{logs}");
     assert!(!logs.contains(&secret), "the canary reached the server's logs");
     assert!(!out.everything().contains(&secret));
@@ -224,35 +242,25 @@ async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hook_cut_off_the_network_aborts_at_its_deadline_and_recovers() {
     let secret = canary();
-    let image = peer_image().await;
-    let net = unique("cut");
-    let (tool_name, hook_name) = (unique("tools"), unique("hook"));
-    let on_net = |name: &str| PeerOpts::on(&net, name);
     // The tool takes 1 s, so the cut lands mid-query, before the hook call.
-    let _tool = start_tool(&image, &["--delay-ms", "1000", "--text", &secret], on_net(&tool_name)).await;
-    let _hook = start_hook(&image, &["--replace", "clean"], on_net(&hook_name)).await;
-    let config = agent_with(
-        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 5000),
-        &[("redact", &format!("http://{hook_name}:{HOOK_PORT}"), 700)],
-    );
-    let server = start_lattice(&config, &net).await;
-    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
-    assert_eq!(client.query("x", "go").await.ok().text, "model saw clean");
+    let on =
+        OnNetwork::start("cut", &["--delay-ms", "1000", "--text", &secret], 5000, &["--replace", "clean"], 700).await;
+    assert_eq!(on.client.query("x", "go").await.ok().text, "model saw clean");
 
-    let c = client.clone();
+    let c = on.client.clone();
     let query = tokio::spawn(async move { c.query("x", "go").await });
     tokio::time::sleep(Duration::from_millis(100)).await; // the tool is running
-    docker(&["network", "disconnect", &net, &hook_name]);
+    docker(&["network", "disconnect", &on.net, &on.hook_name]);
     let out = query.await.unwrap();
     let meta = out.hook_failure();
     assert_eq!((meta["hook"].as_str(), meta["kind"].as_str()), ("redact", "deadline"));
     assert!(out.elapsed < Duration::from_millis(1000 + 700 + 250), "took {:?}", out.elapsed);
     assert!(!out.everything().contains(&secret));
 
-    docker(&["network", "connect", &net, &hook_name]);
+    docker(&["network", "connect", &on.net, &on.hook_name]);
     let deadline = Instant::now() + Duration::from_secs(45);
     loop {
-        let out = client.query("x", "go").await;
+        let out = on.client.query("x", "go").await;
         if out.status.is_none() {
             assert_eq!(out.ok().text, "model saw clean");
             break;
@@ -261,7 +269,7 @@ async fn a_hook_cut_off_the_network_aborts_at_its_deadline_and_recovers() {
         assert!(Instant::now() < deadline, "no recovery after reconnecting: {:?}", out.status);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
+    assert!(!container_logs(&on.server).await.contains(&secret), "the canary reached the server's logs");
 }
 
 /// The Python example hook (a host process on loopback) in one chain with
