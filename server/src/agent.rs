@@ -149,14 +149,14 @@ pub enum SetupError {
     #[error(transparent)]
     Model(#[from] ModelSetupError),
     /// A hook endpoint.
-    #[error("agent {agent:?}: hook {hook:?}: {source}")]
+    #[error("agent {agent:?}: hook {hook:?}: {reason}")]
     Hook {
         /// The agent.
         agent: String,
         /// The hook.
         hook: String,
-        /// The cause.
-        source: tonic::transport::Error,
+        /// What is wrong with its endpoint.
+        reason: String,
     },
 }
 
@@ -177,7 +177,7 @@ impl Runtime {
         let mut order = Vec::new();
         for def in &config.agents {
             let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes)
-                .map_err(|(hook, source)| SetupError::Hook { agent: def.name.clone(), hook, source })?;
+                .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
             let tools = AgentTools::build(def, &config.server).await?;
             let chain: Vec<String> =
                 def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
@@ -401,10 +401,10 @@ impl Runtime {
                     };
                     let call_deadline = ctx.deadline.min(Instant::now() + binding.deadline());
                     let raw = match binding {
-                        Binding::Remote { client, endpoint, .. } => {
+                        Binding::Remote { client, addresses, endpoint, .. } => {
                             let cctx =
                                 CallCtx { agent: &def.name, session_id: &ctx.session_id, query_id: &ctx.query_id };
-                            call_remote(client, endpoint, call, &cctx, call_deadline).await
+                            call_remote(client, addresses, endpoint, call, &cctx, call_deadline).await
                         }
                         Binding::Agent { agent: target, .. } => self.delegate(ctx, call, target, call_deadline).await?,
                     };

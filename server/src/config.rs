@@ -367,7 +367,7 @@ impl Permissions {
 /// A remote tool service of an agent.
 #[derive(Debug, Clone)]
 pub struct ToolSourceDef {
-    /// Its gRPC endpoint (http:// or https://).
+    /// Its gRPC endpoint: `http://host:port` or `dns:///host:port`.
     pub endpoint: String,
     /// Each call's deadline.
     pub deadline: Duration,
@@ -404,7 +404,7 @@ pub struct HookEvents {
 pub struct HookDef {
     /// Its name.
     pub name: String,
-    /// Its HookService endpoint.
+    /// Its HookService endpoint: `http://host:port` or `dns:///host:port`.
     pub endpoint: String,
     /// Events it handles.
     pub events: HookEvents,
@@ -513,10 +513,8 @@ impl Validator<'_> {
     }
 
     fn endpoint(&mut self, e: &Spanned<String>, field: &str) {
-        let ok = (e.get_ref().starts_with("http://") || e.get_ref().starts_with("https://"))
-            && tonic::transport::Endpoint::from_shared(e.get_ref().clone()).is_ok();
-        if !ok {
-            self.problem(Some(e.span()), field, format!("{:?} is not an http:// or https:// URL", e.get_ref()));
+        if let Err(why) = crate::peer::Target::parse(e.get_ref()) {
+            self.problem(Some(e.span()), field, format!("{:?}: {why}", e.get_ref()));
         }
     }
 

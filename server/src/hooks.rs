@@ -22,6 +22,7 @@ use crate::{
     config::{HookDef, HookEvents},
     convert::{self, DecodeError},
     domain::{JsonObject, ModelRequest, ToolResult, validate_conversation},
+    peer::{Addresses, Peer},
 };
 
 /// The two hook events.
@@ -157,6 +158,7 @@ struct Hook {
     events: HookEvents,
     deadline: Duration,
     client: pb::hook_service_client::HookServiceClient<Channel>,
+    addresses: Addresses,
 }
 
 /// An agent's enabled hooks, in registered order.
@@ -164,18 +166,6 @@ struct Hook {
 pub struct HookChain {
     agent: String,
     hooks: Vec<Hook>,
-}
-
-/// Builds a lazily connecting channel: creating it never fails on a peer that
-/// is down, and it reconnects by itself once the peer comes up.
-pub fn lazy_channel(endpoint: &str, connect_timeout: Duration) -> Result<Channel, tonic::transport::Error> {
-    Ok(tonic::transport::Endpoint::from_shared(endpoint.to_owned())?
-        .connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .connect_lazy())
 }
 
 /// A `grpc-timeout` header value for `d`: microseconds while they fit the
@@ -189,18 +179,20 @@ fn grpc_timeout(d: Duration) -> MetadataValue<tonic::metadata::Ascii> {
 impl HookChain {
     /// The chain of `agent`'s enabled hooks (disabled entries are skipped).
     /// On error, names the hook whose endpoint could not be used.
-    pub fn new(
-        agent: &str,
-        defs: &[HookDef],
-        max_message_bytes: usize,
-    ) -> Result<Self, (String, tonic::transport::Error)> {
+    pub fn new(agent: &str, defs: &[HookDef], max_message_bytes: usize) -> Result<Self, (String, String)> {
         let mut hooks = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
-            let channel = lazy_channel(&d.endpoint, d.deadline).map_err(|e| (d.name.clone(), e))?;
-            let client = pb::hook_service_client::HookServiceClient::new(channel)
+            let peer = Peer::connect(&d.endpoint, d.deadline).map_err(|e| (d.name.clone(), e))?;
+            let client = pb::hook_service_client::HookServiceClient::new(peer.channel)
                 .max_decoding_message_size(max_message_bytes)
                 .max_encoding_message_size(max_message_bytes);
-            hooks.push(Hook { name: d.name.clone(), events: d.events, deadline: d.deadline, client });
+            hooks.push(Hook {
+                name: d.name.clone(),
+                events: d.events,
+                deadline: d.deadline,
+                client,
+                addresses: peer.addresses,
+            });
         }
         Ok(Self { agent: agent.to_owned(), hooks })
     }
@@ -336,6 +328,9 @@ impl HookChain {
         let budget = call_deadline.saturating_duration_since(started);
         if budget.is_zero() {
             return Err(fail(HookFailure::Deadline));
+        }
+        if hook.addresses.none() {
+            return Err(fail(HookFailure::Unavailable));
         }
         span.record("budget_ms", budget.as_millis() as u64);
         let mut request = tonic::Request::new(message);

@@ -8,6 +8,7 @@
 //! - [`agent`]: the agent loop (domain types only).
 //! - [`hooks`]: the hook chain: order, deadlines, fail-closed.
 //! - [`tools`]: remote tool services, delegated agents, permissions.
+//! - [`peer`]: channels to tool and hook services (`http://`, `dns:///`).
 //! - [`model`]: the model trait and its providers.
 //! - [`session`]: stored conversations and the one-query-per-session lease.
 //! - [`trace`]: post-hook trace events.
@@ -25,6 +26,7 @@ pub mod domain;
 pub mod example_tools;
 pub mod hooks;
 pub mod model;
+pub mod peer;
 pub mod service;
 pub mod session;
 pub mod status;

@@ -16,7 +16,7 @@ use crate::{
     config::{AgentDef, ServerSettings},
     convert,
     domain::{JsonObject, ToolResult, ToolSpec, ToolUse},
-    hooks::lazy_channel,
+    peer::{Addresses, Peer},
 };
 
 /// Where a tool's calls go.
@@ -30,6 +30,8 @@ pub enum Binding {
         deadline: Duration,
         /// The client (a cheap clone of one multiplexed channel).
         client: pb::tool_service_client::ToolServiceClient<Channel>,
+        /// Whether a `dns:///` endpoint has an address now.
+        addresses: Addresses,
     },
     /// Another agent, run on a fresh session.
     Agent {
@@ -138,14 +140,14 @@ pub enum ToolSetupError {
         name: String,
     },
     /// Bad endpoint.
-    #[error("agent {agent:?}: endpoint {endpoint}: {source}")]
+    #[error("agent {agent:?}: endpoint {endpoint}: {reason}")]
     Endpoint {
         /// The agent.
         agent: String,
         /// The endpoint.
         endpoint: String,
-        /// The cause.
-        source: tonic::transport::Error,
+        /// What is wrong with it.
+        reason: String,
     },
 }
 
@@ -169,10 +171,10 @@ impl AgentTools {
     pub async fn build(def: &AgentDef, settings: &ServerSettings) -> Result<Self, ToolSetupError> {
         let mut tools = AgentTools::default();
         for source in &def.tool_sources {
-            let channel = lazy_channel(&source.endpoint, settings.tool_discovery_timeout).map_err(|e| {
-                ToolSetupError::Endpoint { agent: def.name.clone(), endpoint: source.endpoint.clone(), source: e }
+            let peer = Peer::connect(&source.endpoint, settings.tool_discovery_timeout).map_err(|reason| {
+                ToolSetupError::Endpoint { agent: def.name.clone(), endpoint: source.endpoint.clone(), reason }
             })?;
-            let client = pb::tool_service_client::ToolServiceClient::new(channel)
+            let client = pb::tool_service_client::ToolServiceClient::new(peer.channel)
                 .max_decoding_message_size(settings.max_message_bytes)
                 .max_encoding_message_size(settings.max_message_bytes);
             let specs = match &source.declared {
@@ -194,6 +196,7 @@ impl AgentTools {
                     endpoint: source.endpoint.clone(),
                     deadline: source.deadline,
                     client: client.clone(),
+                    addresses: peer.addresses.clone(),
                 };
                 tools.add(&def.name, spec, binding)?;
             }
@@ -274,6 +277,7 @@ pub struct CallCtx<'a> {
 /// HTTP/2 stream is reset, which the tool service observes).
 pub async fn call_remote(
     client: &pb::tool_service_client::ToolServiceClient<Channel>,
+    addresses: &Addresses,
     endpoint: &str,
     call: &ToolUse,
     ctx: &CallCtx<'_>,
@@ -290,6 +294,9 @@ pub async fn call_remote(
     let budget = deadline.saturating_duration_since(Instant::now());
     if budget.is_zero() {
         return failed(K::Deadline, format!("tool {:?} was not called: no time left", call.name));
+    }
+    if addresses.none() {
+        return failed(K::RpcFailed, format!("tool {:?} was not called: its service has no address", call.name));
     }
     let mut request = tonic::Request::new(pb::CallToolRequest {
         tool_use_id: call.id.clone(),

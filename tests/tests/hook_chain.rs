@@ -408,6 +408,44 @@ async fn a_hook_down_at_start_up_works_once_it_is_up() {
     assert!(!hook.state.model_requests().is_empty());
 }
 
+/// A `dns:///host:port` endpoint: calls go to the addresses the name
+/// resolves to. A name that resolves to nothing aborts the query at once
+/// (unavailable), not at the hook's deadline, and leaks nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn dns_endpoints_resolve_and_fail_closed_without_an_address() {
+    let secret = canary();
+    let tools = ToolServer::start(vec![ToolDef::new("t", &secret)]).await;
+    let hook =
+        HookServer::start(Behaviour { on_result: OnResult::ReplaceText("clean".into()), ..Default::default() }).await;
+    let agent = |endpoint: &str| {
+        cfg::agent("x", "")
+            + &cfg::turn("go", &["t"])
+            + &cfg::turn("model saw {{last_tool_result}}", &[])
+            + &cfg::tools(&tools.url, 2000)
+            + &cfg::hook("h", endpoint, &["tool_result"], 2000)
+    };
+    let lattice = Lattice::start(&agent(&hook.url.replace("http://", "dns:///"))).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        // The name is resolved in the background from start-up on.
+        let out = lattice.query("x", "go").await;
+        assert_no_leak(&secret, &lattice, &out);
+        if out.status.is_none() {
+            assert_eq!(out.ok().text, "model saw clean");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the dns:/// hook never answered: {:?}", out.status);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(hook.state.tool_results().len(), 1);
+
+    let lattice = Lattice::start(&agent("dns:///no-such-hook.invalid:50071")).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.hook_failure()["kind"], "unavailable");
+    assert!(out.elapsed < Duration::from_millis(1000), "took {:?} (the hook's deadline is 2 s)", out.elapsed);
+    assert_no_leak(&secret, &lattice, &out);
+}
+
 /// A delegated agent runs its own chain: its tool results don't reach the
 /// parent's hooks, its final text does (as the parent's tool result), and
 /// its own hook failure aborts the whole query.
