@@ -6,11 +6,13 @@
 //! secret reached no sink.
 
 use std::{
+    collections::BTreeMap,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use lattice_proto::hooks::v1::ToolErrorKind;
+use lattice_server::peer::RESOLVE_EVERY;
 use lattice_tests::{
     Lattice, assert_no_leak, canary, cfg,
     containers::{
@@ -154,6 +156,70 @@ async fn a_stopped_hook_aborts_and_recovers_at_its_new_address() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(!container_logs(&on.server).await.contains(&secret), "the canary reached the server's logs");
+}
+
+/// A `dns:///` hook endpoint naming two replicas (one network alias, as a
+/// headless Kubernetes Service names its ready pods): the calls spread over
+/// both. With one replica stopped, queries fail closed until the next
+/// resolution drops its address, then all go to the other.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dns_endpoint_spreads_calls_over_the_replicas() {
+    let secret = canary();
+    let image = peer_image().await;
+    let net = unique("replicas");
+    let (tool_name, alias) = (unique("tools"), unique("redact"));
+    let _tool = start_tool(&image, &["--text", &secret], PeerOpts::on(&net, &tool_name)).await;
+    let mut replicas = vec![];
+    for marker in ["[a]", "[b]"] {
+        let replica = start_hook(&image, &["--replace", "clean", "--append", marker], PeerOpts::default()).await;
+        docker(&["network", "connect", "--alias", &alias, &net, replica.id()]);
+        replicas.push(replica);
+    }
+    let config = agent_with(
+        &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 2000),
+        &[("redact", &format!("dns:///{alias}:{HOOK_PORT}"), 1000)],
+    );
+    let server = start_lattice(&config, &net).await;
+    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
+    // Runs queries until `until`, or until `n` have answered in a row;
+    // counts the answers, and the queries that failed closed.
+    let run = |n: usize, until: Instant| {
+        let client = client.clone();
+        let secret = secret.clone();
+        async move {
+            let (mut seen, mut failed) = (BTreeMap::<String, usize>::new(), 0);
+            while seen.values().sum::<usize>() < n && Instant::now() < until {
+                let out = client.query("x", "go").await;
+                assert!(!out.everything().contains(&secret));
+                if out.status.is_none() {
+                    *seen.entry(out.ok().text.clone()).or_default() += 1;
+                    continue;
+                }
+                // Refused, or unreachable until the deadline.
+                let kind = out.hook_failure()["kind"].clone();
+                assert!(kind == "unavailable" || kind == "deadline", "{kind}");
+                seen.clear();
+                failed += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (seen, failed)
+        }
+    };
+    // The name is resolved in the background from start-up on.
+    let (seen, _) = run(20, Instant::now() + Duration::from_secs(10)).await;
+    assert_eq!(seen.keys().collect::<Vec<_>>(), ["model saw clean[a]", "model saw clean[b]"], "{seen:?}");
+
+    replicas[0].stop().await.unwrap();
+    let (_, failed) = run(usize::MAX, Instant::now() + RESOLVE_EVERY + Duration::from_secs(1)).await;
+    println!("{failed} queries failed closed before the stopped replica left the set");
+    // Resolved again since: every query now goes to the other replica. (A
+    // dead address left in the set would fail a query each time its
+    // reconnect attempt gives up, about every second.)
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        assert_eq!(client.query("x", "go").await.ok().text, "model saw clean[b]");
+    }
+    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
 }
 
 /// A hook container killed during a call aborts the query; nothing of the
