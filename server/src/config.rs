@@ -17,7 +17,10 @@ use serde::Deserialize;
 use serde_json::Value;
 use toml::Spanned;
 
-use crate::domain::{JsonObject, StopReason, ToolSpec};
+use crate::{
+    domain::{JsonObject, StopReason, ToolSpec},
+    peer::Tls,
+};
 
 /// Defaults, named so that docs and code agree.
 pub mod defaults {
@@ -145,6 +148,7 @@ struct RawScriptCall {
 #[serde(deny_unknown_fields)]
 struct RawToolSource {
     endpoint: Spanned<String>,
+    tls: Option<Spanned<RawTls>>,
     deadline_ms: Option<u64>,
     /// Offer only these of the discovered tools.
     only: Option<Vec<String>>,
@@ -177,10 +181,27 @@ struct RawDelegate {
 struct RawHook {
     name: Spanned<String>,
     endpoint: Spanned<String>,
+    tls: Option<Spanned<RawTls>>,
     events: Spanned<Vec<String>>,
     deadline_ms: Option<Spanned<u64>>,
     #[serde(default = "yes")]
     enabled: bool,
+}
+
+/// TLS to a tool or hook service. Paths are relative to the config file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    /// The CA that signs the service's certificate (PEM); the system's roots
+    /// when unset.
+    ca_file: Option<String>,
+    /// The certificate (chain) Lattice presents, for mutual TLS (PEM).
+    cert_file: Option<String>,
+    /// Its private key (PEM).
+    key_file: Option<String>,
+    /// The name the service's certificate must carry, when it is not the
+    /// endpoint's host.
+    server_name: Option<String>,
 }
 
 fn yes() -> bool {
@@ -367,8 +388,10 @@ impl Permissions {
 /// A remote tool service of an agent.
 #[derive(Debug, Clone)]
 pub struct ToolSourceDef {
-    /// Its gRPC endpoint: `http://host:port` or `dns:///host:port`.
+    /// Its gRPC endpoint: `http(s)://host:port` or `dns:///host:port`.
     pub endpoint: String,
+    /// TLS settings (`https://`, or `dns:///` with TLS).
+    pub tls: Option<Tls>,
     /// Each call's deadline.
     pub deadline: Duration,
     /// Offer only these discovered tools.
@@ -404,8 +427,10 @@ pub struct HookEvents {
 pub struct HookDef {
     /// Its name.
     pub name: String,
-    /// Its HookService endpoint: `http://host:port` or `dns:///host:port`.
+    /// Its HookService endpoint: `http(s)://host:port` or `dns:///host:port`.
     pub endpoint: String,
+    /// TLS settings (`https://`, or `dns:///` with TLS).
+    pub tls: Option<Tls>,
     /// Events it handles.
     pub events: HookEvents,
     /// Its deadline (already capped by the ceiling).
@@ -467,7 +492,8 @@ pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let line = e.span().map(|s| line_of(text, s.start));
         fail(vec![Problem { line, field: "-".into(), message: e.message().trim().to_owned() }])
     })?;
-    let mut v = Validator { text, problems: Vec::new() };
+    let dir = path.parent().unwrap_or(Path::new("")).to_owned();
+    let mut v = Validator { text, dir, problems: Vec::new() };
     let config = v.config(raw);
     if v.problems.is_empty() {
         Ok(config)
@@ -483,6 +509,8 @@ fn line_of(text: &str, offset: usize) -> usize {
 
 struct Validator<'a> {
     text: &'a str,
+    /// The config file's directory: relative paths start here.
+    dir: PathBuf,
     problems: Vec<Problem>,
 }
 
@@ -512,10 +540,53 @@ impl Validator<'_> {
         self.problems.push(Problem { line, field: field.into(), message: message.into() });
     }
 
-    fn endpoint(&mut self, e: &Spanned<String>, field: &str) {
+    /// An endpoint and its TLS table: files read, certificates and key
+    /// parsed. `field` is the entry's path (`agents[0].hooks[1]`).
+    fn endpoint(&mut self, e: &Spanned<String>, tls: Option<Spanned<RawTls>>, field: &str) -> Option<Tls> {
         if let Err(why) = crate::peer::Target::parse(e.get_ref()) {
-            self.problem(Some(e.span()), field, format!("{:?}: {why}", e.get_ref()));
+            self.problem(Some(e.span()), format!("{field}.endpoint"), format!("{:?}: {why}", e.get_ref()));
+            return None;
         }
+        let (span, raw) = match tls {
+            Some(t) => (Some(t.span()), Some(t.into_inner())),
+            None => (None, None),
+        };
+        let mut read = |file: Option<String>, name: &str| {
+            let file = file?;
+            let path = self.dir.join(&file);
+            match std::fs::read_to_string(&path) {
+                Ok(pem) => Some(pem),
+                Err(err) => {
+                    self.problem(span.clone(), format!("{field}.tls.{name}"), format!("cannot read {file:?}: {err}"));
+                    None
+                }
+            }
+        };
+        let tls = match raw {
+            None => None,
+            Some(raw) => {
+                let ca_pem = read(raw.ca_file, "ca_file");
+                let cert = read(raw.cert_file, "cert_file");
+                let key = read(raw.key_file, "key_file");
+                let identity = match (cert, key) {
+                    (Some(cert), Some(key)) => Some((cert, key)),
+                    (None, None) => None,
+                    _ => {
+                        self.problem(
+                            span.clone(),
+                            format!("{field}.tls"),
+                            "set both cert_file and key_file, or neither",
+                        );
+                        None
+                    }
+                };
+                Some(Tls { ca_pem, identity, server_name: raw.server_name })
+            }
+        };
+        if let Err(why) = crate::peer::check(e.get_ref(), tls.as_ref()) {
+            self.problem(span.or(Some(e.span())), format!("{field}.tls"), why);
+        }
+        tls
     }
 
     fn positive<T: PartialOrd + Default + Copy>(&mut self, v: &Option<Spanned<T>>, field: &str, default: T) -> T {
@@ -613,7 +684,7 @@ impl Validator<'_> {
         let mut tool_sources = Vec::new();
         for (j, t) in a.tools.into_iter().enumerate() {
             let f = at(&format!("tools[{j}]"));
-            self.endpoint(&t.endpoint, &format!("{f}.endpoint"));
+            let tls = self.endpoint(&t.endpoint, t.tls, &f);
             if t.deadline_ms == Some(0) {
                 self.problem(Some(t.endpoint.span()), format!("{f}.deadline_ms"), "must be at least 1");
             }
@@ -643,6 +714,7 @@ impl Validator<'_> {
             });
             tool_sources.push(ToolSourceDef {
                 endpoint: t.endpoint.into_inner(),
+                tls,
                 deadline: ms(t.deadline_ms.unwrap_or(defaults::TOOL_DEADLINE_MS).max(1)),
                 only: t.only,
                 declared,
@@ -680,7 +752,7 @@ impl Validator<'_> {
             if !hook_names.insert(h.name.get_ref().clone()) {
                 self.problem(Some(h.name.span()), f("name"), format!("duplicate hook name {:?}", h.name.get_ref()));
             }
-            self.endpoint(&h.endpoint, &f("endpoint"));
+            let tls = self.endpoint(&h.endpoint, h.tls, &at(&format!("hooks[{j}]")));
             let mut events = HookEvents::default();
             for e in h.events.get_ref() {
                 match e.as_str() {
@@ -707,6 +779,7 @@ impl Validator<'_> {
             hooks.push(HookDef {
                 name: h.name.into_inner(),
                 endpoint: h.endpoint.into_inner(),
+                tls,
                 events,
                 deadline: deadline.min(server.hook_deadline_ceiling),
                 enabled: h.enabled,

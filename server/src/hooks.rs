@@ -182,7 +182,7 @@ impl HookChain {
     pub fn new(agent: &str, defs: &[HookDef], max_message_bytes: usize) -> Result<Self, (String, String)> {
         let mut hooks = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
-            let peer = Peer::connect(&d.endpoint, d.deadline).map_err(|e| (d.name.clone(), e))?;
+            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline).map_err(|e| (d.name.clone(), e))?;
             let client = pb::hook_service_client::HookServiceClient::new(peer.channel)
                 .max_decoding_message_size(max_message_bytes)
                 .max_encoding_message_size(max_message_bytes);

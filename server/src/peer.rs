@@ -9,6 +9,10 @@
 //!   a headless Service and the calls spread over all its ready pods; a pod
 //!   that goes away leaves the set at the next resolution.
 //!
+//! TLS: `https://host:port`, or `dns:///host:port` with a [`Tls`] setting,
+//! verifies the service against the system's roots or a given CA, and can
+//! present a client certificate (mutual TLS).
+//!
 //! Either way nothing connects at start-up, so a peer that is down then
 //! blocks nothing, and the connection time counts toward each call's
 //! deadline. A call that fails on a connection fails: there is no retry on
@@ -16,6 +20,7 @@
 
 use std::{
     collections::HashSet,
+    fmt,
     net::SocketAddr,
     sync::{
         Arc,
@@ -24,8 +29,9 @@ use std::{
     time::Duration,
 };
 
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use tokio::sync::mpsc::Sender;
-use tonic::transport::{Channel, Endpoint, channel::Change};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, channel::Change};
 use tracing::{info, warn};
 
 /// How often a `dns:///` name is resolved again.
@@ -34,7 +40,7 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 /// Where a tool or hook service is, as the config names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
-    /// `http://host:port`.
+    /// `http://host:port` or `https://host:port`.
     Uri(String),
     /// `dns:///host:port`.
     Dns {
@@ -61,21 +67,134 @@ impl Target {
                 _ => Err("the port of a dns:/// target must be 1-65535".into()),
             };
         }
-        if endpoint.starts_with("https://") {
-            return Err("TLS to tool and hook services is not supported: use http:// or dns:/// \
-                        (a service mesh can encrypt the traffic)"
-                .into());
-        }
-        let valid = endpoint.starts_with("http://")
+        let valid = (endpoint.starts_with("http://") || endpoint.starts_with("https://"))
             && Endpoint::from_shared(endpoint.to_owned()).is_ok_and(|e| e.uri().host().is_some_and(|h| !h.is_empty()));
         if valid {
             Ok(Target::Uri(endpoint.to_owned()))
         } else {
-            Err("not an http://host:port URL or a dns:///host:port target".into())
+            Err("not an http(s)://host:port URL or a dns:///host:port target".into())
         }
     }
 }
 
+/// TLS to a tool or hook service.
+#[derive(Clone, Default)]
+pub struct Tls {
+    /// PEM certificates of the CA(s) that sign the service's certificate;
+    /// the system's roots when unset.
+    pub ca_pem: Option<String>,
+    /// A PEM certificate chain and its PEM private key that Lattice presents
+    /// (mutual TLS).
+    pub identity: Option<(String, String)>,
+    /// The name the service's certificate must carry; by default the
+    /// endpoint's host.
+    pub server_name: Option<String>,
+}
+
+impl fmt::Debug for Tls {
+    // Never prints the key.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tls")
+            .field("ca", &self.ca_pem.is_some())
+            .field("client_identity", &self.identity.is_some())
+            .field("server_name", &self.server_name)
+            .finish()
+    }
+}
+
+impl Tls {
+    /// The PEM texts hold what they should (rustls would skip a CA file
+    /// that holds no certificate, and every connection would then fail).
+    fn validate(&self) -> Result<(), String> {
+        let certificates = |pem: &str, what: &str| match CertificateDer::pem_slice_iter(pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(certs) if !certs.is_empty() => Ok(()),
+            _ => Err(format!("the {what} holds no valid PEM certificate")),
+        };
+        if let Some(ca) = &self.ca_pem {
+            certificates(ca, "CA file")?;
+        }
+        if let Some((cert, key)) = &self.identity {
+            certificates(cert, "certificate file")?;
+            PrivateKeyDer::from_pem_slice(key.as_bytes())
+                .map_err(|_| "the key file holds no valid PEM private key".to_owned())?;
+        }
+        Ok(())
+    }
+
+    fn client_config(&self, host: Option<&str>) -> ClientTlsConfig {
+        let mut config = ClientTlsConfig::new();
+        if let Some(name) = self.server_name.as_deref().or(host) {
+            config = config.domain_name(name);
+        }
+        config = match &self.ca_pem {
+            Some(pem) => config.ca_certificate(Certificate::from_pem(pem)),
+            None => config.with_native_roots(),
+        };
+        if let Some((cert, key)) = &self.identity {
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        config
+    }
+}
+
+/// An endpoint and its TLS setting, checked: the certificates and the key
+/// parse, and TLS is asked for only where it can be used.
+#[derive(Debug, Clone)]
+struct Checked {
+    target: Target,
+    tls: Option<ClientTlsConfig>,
+}
+
+impl Checked {
+    fn new(endpoint: &str, tls: Option<&Tls>) -> Result<Checked, String> {
+        let target = Target::parse(endpoint)?;
+        if let Some(tls) = tls {
+            tls.validate()?;
+        }
+        let tls = match (&target, tls) {
+            (Target::Uri(uri), tls) if uri.starts_with("https://") => {
+                Some(tls.cloned().unwrap_or_default().client_config(None))
+            }
+            (Target::Uri(_), Some(_)) => return Err("a tls setting needs an https:// or dns:/// endpoint".into()),
+            (Target::Uri(_), None) | (Target::Dns { .. }, None) => None,
+            (Target::Dns { host, .. }, Some(tls)) => Some(tls.client_config(Some(host))),
+        };
+        if let Some(config) = &tls {
+            // Building a connector parses the certificates and the key.
+            Endpoint::from_static("https://lattice.invalid")
+                .tls_config(config.clone())
+                .map_err(|e| format!("TLS: {}", error_chain(&e)))?;
+        }
+        Ok(Checked { target, tls })
+    }
+
+    fn endpoint(&self, uri: String, connect_timeout: Duration) -> Result<Endpoint, String> {
+        let e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
+        let e = match &self.tls {
+            Some(config) => e.tls_config(config.clone()).map_err(|e| format!("TLS: {}", error_chain(&e)))?,
+            None => e,
+        };
+        Ok(settings(e, connect_timeout))
+    }
+}
+
+/// Checks an endpoint and its TLS setting without connecting (for config
+/// validation); the error says what is wrong without repeating secrets.
+pub fn check(endpoint: &str, tls: Option<&Tls>) -> Result<(), String> {
+    Checked::new(endpoint, tls).map(|_| ())
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text = format!("{text}: {s}");
+        source = s.source();
+    }
+    text
+}
 /// The addresses a `dns:///` target has now; always "some" for `http://`.
 #[derive(Debug, Clone, Default)]
 pub struct Addresses(Option<Arc<AtomicUsize>>);
@@ -101,17 +220,18 @@ impl Peer {
     /// A channel to `endpoint` (see the module docs). Connects lazily; for a
     /// `dns:///` target it starts the resolver task, which ends when the
     /// last clone of the channel is dropped. Needs a Tokio runtime.
-    pub fn connect(endpoint: &str, connect_timeout: Duration) -> Result<Peer, String> {
-        match Target::parse(endpoint)? {
+    pub fn connect(endpoint: &str, tls: Option<&Tls>, connect_timeout: Duration) -> Result<Peer, String> {
+        let checked = Checked::new(endpoint, tls)?;
+        match &checked.target {
             Target::Uri(uri) => Ok(Peer {
-                channel: settings(Endpoint::from_shared(uri).map_err(|e| e.to_string())?, connect_timeout)
-                    .connect_lazy(),
+                channel: checked.endpoint(uri.clone(), connect_timeout)?.connect_lazy(),
                 addresses: Addresses::default(),
             }),
             Target::Dns { host, port } => {
                 let (channel, changes) = Channel::balance_channel(1024);
                 let count = Arc::new(AtomicUsize::new(0));
-                tokio::spawn(resolve(host, port, connect_timeout, changes, count.clone()));
+                let name = format!("{host}:{port}");
+                tokio::spawn(resolve(name, checked, connect_timeout, changes, count.clone()));
                 Ok(Peer { channel, addresses: Addresses(Some(count)) })
             }
         }
@@ -130,13 +250,13 @@ fn settings(e: Endpoint, connect_timeout: Duration) -> Endpoint {
 /// balancer which addresses came and went. A failed lookup keeps the last
 /// addresses (calls to them fail on their own if they are gone).
 async fn resolve(
-    host: String,
-    port: u16,
+    name: String,
+    checked: Checked,
     connect_timeout: Duration,
     changes: Sender<Change<SocketAddr, Endpoint>>,
     count: Arc<AtomicUsize>,
 ) {
-    let name = format!("{host}:{port}");
+    let scheme = if checked.tls.is_some() { "https" } else { "http" };
     let mut current: HashSet<SocketAddr> = HashSet::new();
     loop {
         match tokio::net::lookup_host(&name).await {
@@ -148,8 +268,8 @@ async fn resolve(
                     }
                 }
                 for new in found.difference(&current) {
-                    let Ok(endpoint) = Endpoint::from_shared(format!("http://{new}")) else { continue };
-                    if changes.send(Change::Insert(*new, settings(endpoint, connect_timeout))).await.is_err() {
+                    let Ok(endpoint) = checked.endpoint(format!("{scheme}://{new}"), connect_timeout) else { continue };
+                    if changes.send(Change::Insert(*new, endpoint)).await.is_err() {
                         return;
                     }
                 }
@@ -182,10 +302,21 @@ mod tests {
             Ok(Target::Dns { host: "hook.ns.svc".into(), port: 50071 })
         );
         assert_eq!(Target::parse("dns:///[::1]:7"), Ok(Target::Dns { host: "[::1]".into(), port: 7 }));
-        for bad in
-            ["https://hook:1", "dns:///hook", "dns:///:1", "dns:///h:0", "dns:///h:x", "ftp://h", "http://", "hook:1"]
-        {
+        assert_eq!(Target::parse("https://hook:1"), Ok(Target::Uri("https://hook:1".into())));
+        for bad in ["dns:///hook", "dns:///:1", "dns:///h:0", "dns:///h:x", "ftp://h", "http://", "hook:1"] {
             assert!(Target::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn tls_is_checked_where_it_is_asked_for() {
+        let tls = Tls { ca_pem: Some("not a certificate".into()), ..Default::default() };
+        assert!(check("http://hook:1", Some(&Tls::default())).unwrap_err().contains("https://"));
+        assert!(check("https://hook:1", Some(&tls)).is_err());
+        assert!(check("dns:///hook:1", Some(&tls)).is_err());
+        assert!(check("dns:///hook:1", None).is_ok());
+        let secret = "-----BEGIN PRIVATE KEY-----\nc2VjcmV0\n-----END PRIVATE KEY-----\n";
+        let with_key = Tls { identity: Some(("x".into(), secret.into())), ..Default::default() };
+        assert!(!format!("{with_key:?}").contains("c2VjcmV0"));
     }
 }

@@ -171,9 +171,13 @@ impl AgentTools {
     pub async fn build(def: &AgentDef, settings: &ServerSettings) -> Result<Self, ToolSetupError> {
         let mut tools = AgentTools::default();
         for source in &def.tool_sources {
-            let peer = Peer::connect(&source.endpoint, settings.tool_discovery_timeout).map_err(|reason| {
-                ToolSetupError::Endpoint { agent: def.name.clone(), endpoint: source.endpoint.clone(), reason }
-            })?;
+            let peer = Peer::connect(&source.endpoint, source.tls.as_ref(), settings.tool_discovery_timeout).map_err(
+                |reason| ToolSetupError::Endpoint {
+                    agent: def.name.clone(),
+                    endpoint: source.endpoint.clone(),
+                    reason,
+                },
+            )?;
             let client = pb::tool_service_client::ToolServiceClient::new(peer.channel)
                 .max_decoding_message_size(settings.max_message_bytes)
                 .max_encoding_message_size(settings.max_message_bytes);

@@ -388,8 +388,8 @@ name = "h"
 endpoint = "not a url"
 events = ["tool_result", "sometimes"]
 [[agents.hooks]]
-name = "tls"
-endpoint = "https://hook:50071"
+name = "noport"
+endpoint = "dns:///hook"
 events = ["tool_result"]
 [[agents.delegates]]
 agent = "ghost"
@@ -400,7 +400,7 @@ agent = "ghost"
         "test.toml:6: agents[0].model.provider: unknown provider \"gpt-nowhere\"",
         "test.toml:9: agents[0].hooks[0].endpoint",
         "test.toml:10: agents[0].hooks[0].events: unknown event \"sometimes\"",
-        "test.toml:13: agents[0].hooks[1].endpoint: \"https://hook:50071\": TLS to tool and hook services is not supported",
+        "test.toml:13: agents[0].hooks[1].endpoint: \"dns:///hook\": a dns:/// target needs a port",
         "test.toml:16: agents[0].delegates[0].agent: no agent named \"ghost\"",
     ] {
         assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
