@@ -14,9 +14,11 @@
 //! a result with nothing to redact is kept as it is (an unset reply).
 //!
 //! Run: `cargo run -p lattice-hook-sdk --example redact -- --listen 127.0.0.1:50071`
-//! and register it for the `tool_result` event.
+//! and register it for the `tool_result` event. With `--tls-cert` and
+//! `--tls-key` (PEM files) it serves TLS; `--tls-client-ca` also requires
+//! Lattice to present a certificate signed by that CA (mutual TLS).
 
-use std::{net::SocketAddr, sync::LazyLock};
+use std::{net::SocketAddr, path::PathBuf, sync::LazyLock};
 
 use clap::Parser;
 use lattice_hook_sdk::{Hook, Status, ToolResultBlock, ToolResultCall, async_trait};
@@ -115,13 +117,33 @@ struct Args {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:50071")]
     listen: SocketAddr,
+    /// Serve TLS with this certificate (chain), PEM.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key, PEM.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM): mutual TLS.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
 }
 
 #[tokio::main]
-async fn main() -> Result<(), lattice_hook_sdk::ServeError> {
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     let args = Args::parse();
-    lattice_hook_sdk::serve(Redact, args.listen).await
+    let read = |path: &PathBuf| std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()));
+    match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            let mut tls = lattice_hook_sdk::Tls::new(read(cert)?, read(key)?);
+            if let Some(ca) = &args.tls_client_ca {
+                tls = tls.require_client_ca(read(ca)?);
+            }
+            lattice_hook_sdk::serve_tls(Redact, args.listen, tls).await?;
+        }
+        _ => lattice_hook_sdk::serve(Redact, args.listen).await?,
+    }
+    Ok(())
 }
 
 #[cfg(test)]

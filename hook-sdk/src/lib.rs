@@ -219,6 +219,46 @@ impl<H: Hook> HookService for HookServer<H> {
     }
 }
 
+/// TLS for a hook service: its certificate and key, and optionally the CA
+/// whose certificates clients must present (mutual TLS). Lattice connects
+/// with TLS to `https://` and TLS-configured `dns:///` endpoints.
+#[derive(Clone)]
+pub struct Tls {
+    cert_pem: String,
+    key_pem: String,
+    client_ca_pem: Option<String>,
+}
+
+impl std::fmt::Debug for Tls {
+    // Never prints the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls").field("mutual", &self.client_ca_pem.is_some()).finish_non_exhaustive()
+    }
+}
+
+impl Tls {
+    /// Serves with this certificate (chain) and private key, both PEM.
+    pub fn new(cert_pem: impl Into<String>, key_pem: impl Into<String>) -> Self {
+        Tls { cert_pem: cert_pem.into(), key_pem: key_pem.into(), client_ca_pem: None }
+    }
+
+    /// Accepts only clients that present a certificate signed by this CA
+    /// (PEM): mutual TLS.
+    pub fn require_client_ca(mut self, ca_pem: impl Into<String>) -> Self {
+        self.client_ca_pem = Some(ca_pem.into());
+        self
+    }
+
+    fn server_config(&self) -> tonic::transport::ServerTlsConfig {
+        let config = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(&self.cert_pem, &self.key_pem));
+        match &self.client_ca_pem {
+            Some(ca) => config.client_ca_root(tonic::transport::Certificate::from_pem(ca)),
+            None => config,
+        }
+    }
+}
+
 /// Why serving failed.
 #[derive(Debug)]
 pub enum ServeError {
@@ -249,11 +289,36 @@ pub async fn serve(hook: impl Hook, addr: SocketAddr) -> Result<(), ServeError> 
     serve_on(hook, listener, shutdown_signal()).await
 }
 
+/// [`serve`] over TLS (see [`Tls`]).
+pub async fn serve_tls(hook: impl Hook, addr: SocketAddr, tls: Tls) -> Result<(), ServeError> {
+    let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
+    serve_tls_on(hook, listener, tls, shutdown_signal()).await
+}
+
 /// Serves `hook` on a bound listener until `shutdown` resolves (for tests
 /// and embedding), with health and reflection.
 pub async fn serve_on(
     hook: impl Hook,
     listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    serve_inner(hook, listener, None, shutdown).await
+}
+
+/// [`serve_on`] over TLS.
+pub async fn serve_tls_on(
+    hook: impl Hook,
+    listener: TcpListener,
+    tls: Tls,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    serve_inner(hook, listener, Some(tls), shutdown).await
+}
+
+async fn serve_inner(
+    hook: impl Hook,
+    listener: TcpListener,
+    tls: Option<Tls>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let (health, health_svc) = tonic_health::server::health_reporter();
@@ -269,8 +334,12 @@ pub async fn serve_on(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .map_err(ServeError::Reflection)?;
-    tracing::info!(addr = ?listener.local_addr().ok(), "hook serving");
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = &tls {
+        server = server.tls_config(tls.server_config()).map_err(ServeError::Transport)?;
+    }
+    tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "hook serving");
+    server
         .add_service(health_svc)
         .add_service(v1)
         .add_service(v1alpha)

@@ -7,6 +7,7 @@ pub mod bad_hook;
 pub mod containers;
 pub mod fake_api;
 pub mod hook;
+pub mod tls;
 pub mod tool;
 
 use std::{
@@ -623,10 +624,23 @@ pub struct Background(Option<oneshot::Sender<()>>);
 impl Background {
     /// Serves `routes` on `listener` (with TCP_NODELAY) until stopped.
     pub fn serve(listener: TcpListener, routes: tonic::service::Routes) -> Background {
+        Self::serve_with(listener, routes, None)
+    }
+
+    /// [`Background::serve`], over TLS when `tls` is set.
+    pub fn serve_with(
+        listener: TcpListener,
+        routes: tonic::service::Routes,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+    ) -> Background {
         let (tx, rx) = oneshot::channel::<()>();
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            server = server.tls_config(tls).expect("a valid server TLS config");
+        }
         tokio::spawn(async move {
             let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-            let _ = tonic::transport::Server::builder()
+            let _ = server
                 .add_routes(routes)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = rx.await;

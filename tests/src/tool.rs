@@ -74,11 +74,18 @@ pub struct ToolServer {
 impl ToolServer {
     /// Starts a tool service offering `tools`.
     pub async fn start(tools: Vec<ToolDef>) -> ToolServer {
+        Self::start_with(tools, None).await
+    }
+
+    /// Starts a tool service offering `tools`, over TLS when `tls` is set
+    /// (its `url` is then `https://`).
+    pub async fn start_with(tools: Vec<ToolDef>, tls: Option<tonic::transport::ServerTlsConfig>) -> ToolServer {
         let (listener, addr) = crate::bind().await;
         let state = Arc::new(ToolState { tools: Mutex::new(tools), ..Default::default() });
-        let server =
-            Background::serve(listener, tonic::service::Routes::new(ToolServiceServer::new(Scripted(state.clone()))));
-        ToolServer { url: format!("http://{addr}"), state, server }
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let routes = tonic::service::Routes::new(ToolServiceServer::new(Scripted(state.clone())));
+        let server = Background::serve_with(listener, routes, tls);
+        ToolServer { url: format!("{scheme}://{addr}"), state, server }
     }
 
     /// Stops the server (its port closes).

@@ -1,0 +1,72 @@
+//! Throwaway certificate authorities for the TLS tests, made fresh for each
+//! test and written to a temporary directory (the config names files).
+
+use std::path::PathBuf;
+
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+
+/// A certificate and its key, PEM, and where they were written.
+pub struct Leaf {
+    /// The certificate.
+    pub cert_pem: String,
+    /// Its private key.
+    pub key_pem: String,
+    /// The certificate's file.
+    pub cert_file: PathBuf,
+    /// The key's file.
+    pub key_file: PathBuf,
+}
+
+/// A CA that issues server and client certificates.
+pub struct TestCa {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+    dir: PathBuf,
+    /// The CA certificate, PEM.
+    pub pem: String,
+    /// Its file.
+    pub file: PathBuf,
+}
+
+impl TestCa {
+    /// A new CA named `name`.
+    pub fn new(name: &str) -> TestCa {
+        let dir = std::env::temp_dir().join(format!("lattice-tls-{name}-{}", crate::canary()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, format!("{name} test CA"));
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().expect("a key")).expect("a CA");
+        let pem = issuer.pem();
+        let file = dir.join("ca.pem");
+        std::fs::write(&file, &pem).expect("writing the CA");
+        TestCa { issuer, dir, pem, file }
+    }
+
+    /// A certificate for `name` (a DNS name), signed by this CA; it serves
+    /// as a server's or a client's.
+    pub fn issue(&self, name: &str) -> Leaf {
+        let params = CertificateParams::new(vec![name.to_owned()]).expect("leaf params");
+        let key = KeyPair::generate().expect("a key");
+        let cert = params.signed_by(&key, &self.issuer).expect("a certificate");
+        let (cert_pem, key_pem) = (cert.pem(), key.serialize_pem());
+        let cert_file = self.dir.join(format!("{name}.pem"));
+        let key_file = self.dir.join(format!("{name}.key"));
+        std::fs::write(&cert_file, &cert_pem).expect("writing a certificate");
+        std::fs::write(&key_file, &key_pem).expect("writing a key");
+        Leaf { cert_pem, key_pem, cert_file, key_file }
+    }
+
+    /// A server TLS config for `leaf`, requiring client certificates from
+    /// this CA when `mutual`.
+    pub fn server_config(&self, leaf: &Leaf, mutual: bool) -> tonic::transport::ServerTlsConfig {
+        let config = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(&leaf.cert_pem, &leaf.key_pem));
+        if mutual { config.client_ca_root(tonic::transport::Certificate::from_pem(&self.pem)) } else { config }
+    }
+}
+
+impl Drop for TestCa {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

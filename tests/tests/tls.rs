@@ -1,0 +1,194 @@
+//! TLS to hook and tool services: `https://` and `dns:///` endpoints with a
+//! private CA, mutual TLS with the hook SDK serving, and every way the
+//! handshake can fail aborting the query without leaking.
+
+use std::{path::Path, time::Duration};
+
+use lattice_hook_sdk::{Hook, Status, Tls, ToolResultBlock, ToolResultCall, with_text};
+use lattice_tests::{
+    Lattice, assert_no_leak, canary, cfg,
+    tls::{Leaf, TestCa},
+    tool::{ToolDef, ToolServer},
+};
+use tokio::sync::oneshot;
+
+/// Replaces every tool result's text with "clean".
+struct Clean;
+
+#[lattice_hook_sdk::async_trait]
+impl Hook for Clean {
+    async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
+        Ok(Some(with_text(&call.result.unwrap_or_default(), "clean")))
+    }
+}
+
+/// The SDK's server with `tls`, on loopback, until dropped.
+struct SdkHook {
+    port: u16,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn sdk_hook(tls: Tls) -> SdkHook {
+    let (listener, addr) = lattice_tests::bind().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(lattice_hook_sdk::serve_tls_on(Clean, listener, tls, async {
+        let _ = stopped.await;
+    }));
+    SdkHook { port: addr.port(), _stop: stop }
+}
+
+/// A `tls = { … }` line for the config.
+fn tls_line(ca: Option<&Path>, client: Option<&Leaf>, server_name: &str) -> String {
+    let mut fields = vec![format!("server_name = {server_name:?}")];
+    if let Some(ca) = ca {
+        fields.push(format!("ca_file = {:?}", ca.display().to_string()));
+    }
+    if let Some(c) = client {
+        fields.push(format!("cert_file = {:?}", c.cert_file.display().to_string()));
+        fields.push(format!("key_file = {:?}", c.key_file.display().to_string()));
+    }
+    format!("tls = {{ {} }}\n", fields.join(", "))
+}
+
+fn agent(tools: &str, hook: &str) -> String {
+    cfg::agent("x", "")
+        + &cfg::turn("go", &["fetch"])
+        + &cfg::turn("model saw {{last_tool_result}}", &[])
+        + tools
+        + hook
+}
+
+/// A hook that requires client certificates (mutual TLS) and a tool over
+/// TLS, both verified against a private CA under a name that is not the
+/// address: by `https://` and by `dns:///`.
+#[tokio::test(flavor = "multi_thread")]
+async fn hooks_and_tools_over_mutual_tls() {
+    let secret = canary();
+    let ca = TestCa::new("ok");
+    let (hook_cert, tool_cert, client) = (ca.issue("hook.test"), ca.issue("tools.test"), ca.issue("lattice.test"));
+    let hook = sdk_hook(Tls::new(&hook_cert.cert_pem, &hook_cert.key_pem).require_client_ca(&ca.pem)).await;
+    let tools =
+        ToolServer::start_with(vec![ToolDef::new("fetch", &secret)], Some(ca.server_config(&tool_cert, false))).await;
+    assert!(tools.url.starts_with("https://"));
+    let tools_cfg = cfg::tools(&tools.url, 2000) + &tls_line(Some(&ca.file), None, "tools.test");
+    for endpoint in [format!("https://127.0.0.1:{}", hook.port), format!("dns:///127.0.0.1:{}", hook.port)] {
+        let hook_cfg = cfg::hook("redact", &endpoint, &["tool_result"], 2000)
+            + &tls_line(Some(&ca.file), Some(&client), "hook.test");
+        let lattice = Lattice::start(&agent(&tools_cfg, &hook_cfg)).await;
+        let mut out = lattice.query("x", "go").await;
+        // A dns:/// name is resolved in the background from start-up on.
+        for _ in 0..50 {
+            if out.status.is_none() || !endpoint.starts_with("dns:") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            out = lattice.query("x", "go").await;
+        }
+        assert_eq!(out.ok().text, "model saw clean", "{endpoint}");
+        assert_no_leak(&secret, &lattice, &out);
+    }
+}
+
+/// Every TLS failure to a hook aborts the query at once, fail-closed: an
+/// untrusted server certificate, a certificate for another name, no client
+/// certificate where one is required, and plaintext to a TLS hook.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_failures_abort_the_query_without_leaking() {
+    let secret = canary();
+    let (ca, other) = (TestCa::new("real"), TestCa::new("other"));
+    let (hook_cert, client) = (ca.issue("hook.test"), ca.issue("lattice.test"));
+    let hook = sdk_hook(Tls::new(&hook_cert.cert_pem, &hook_cert.key_pem).require_client_ca(&ca.pem)).await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret)]).await;
+    let https = format!("https://127.0.0.1:{}", hook.port);
+    let other_client = other.issue("lattice.test");
+    let cases = [
+        ("an untrusted CA", https.clone(), tls_line(Some(&other.file), Some(&client), "hook.test")),
+        ("another name", https.clone(), tls_line(Some(&ca.file), Some(&client), "not-the-hook.test")),
+        ("no client certificate", https.clone(), tls_line(Some(&ca.file), None, "hook.test")),
+        (
+            "a client certificate of another CA",
+            https.clone(),
+            tls_line(Some(&ca.file), Some(&other_client), "hook.test"),
+        ),
+        ("plaintext", format!("http://127.0.0.1:{}", hook.port), String::new()),
+    ];
+    for (case, endpoint, tls) in cases {
+        let hook_cfg = cfg::hook("redact", &endpoint, &["tool_result"], 2000) + &tls;
+        let lattice = Lattice::start(&agent(&cfg::tools(&tools.url, 2000), &hook_cfg)).await;
+        let out = lattice.query("x", "go").await;
+        let failure = out.hook_failure();
+        assert_eq!(failure["hook"], "redact", "{case}");
+        assert!(out.elapsed < Duration::from_millis(1500), "{case}: took {:?}", out.elapsed);
+        assert_no_leak(&secret, &lattice, &out);
+        println!("{case}: {}", failure["kind"]);
+    }
+}
+
+/// TLS settings are checked at start-up: every problem is listed with its
+/// field, and no file content is repeated.
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_tls_settings_are_refused_at_start_up() {
+    let ca = TestCa::new("cfg");
+    let leaf = ca.issue("hook.test");
+    let garbage = std::env::temp_dir().join(format!("lattice-not-pem-{}", canary()));
+    std::fs::write(&garbage, "SECRET-BYTES-NOT-A-CERTIFICATE").unwrap();
+    let hook = |endpoint: &str, tls: &str| cfg::hook("h", endpoint, &["tool_result"], 500) + tls;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("hi", &[])
+        + &hook("http://127.0.0.1:1", &tls_line(Some(&ca.file), None, "h.test"))
+        + &hook("https://127.0.0.1:1", "tls = { ca_file = \"/nonexistent/ca.pem\" }\n").replace("\"h\"", "\"h2\"")
+        + &hook("https://127.0.0.1:1", &format!("tls = {{ ca_file = {:?} }}\n", garbage.display().to_string()))
+            .replace("\"h\"", "\"h3\"")
+        + &hook(
+            "https://127.0.0.1:1",
+            &format!("tls = {{ cert_file = {:?} }}\n", leaf.cert_file.display().to_string()),
+        )
+        .replace("\"h\"", "\"h4\"");
+    let err = Lattice::try_start(&config).await.err().expect("refused");
+    for expected in [
+        "agents[0].hooks[0].tls: a tls setting needs an https:// or dns:/// endpoint",
+        "agents[0].hooks[1].tls.ca_file: cannot read \"/nonexistent/ca.pem\"",
+        "agents[0].hooks[2].tls: the CA file holds no valid PEM certificate",
+        "agents[0].hooks[3].tls: set both cert_file and key_file, or neither",
+    ] {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
+    assert!(!err.contains("SECRET-BYTES"), "{err}");
+    let _ = std::fs::remove_file(garbage);
+}
+
+/// The `redact` example serves mutual TLS from PEM files given as flags.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_redact_example_serves_mutual_tls() {
+    let ca = TestCa::new("example");
+    let (server, client) = (ca.issue("redact.test"), ca.issue("lattice.test"));
+    let path = |p: &Path| p.display().to_string();
+    let (url, _child) = lattice_tests::start_example(
+        "redact",
+        &[
+            "--tls-cert",
+            &path(&server.cert_file),
+            "--tls-key",
+            &path(&server.key_file),
+            "--tls-client-ca",
+            &path(&ca.file),
+        ],
+    )
+    .await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", "write to ada@example.com")]).await;
+    let endpoint = url.replace("http://", "https://");
+    let with = |client: Option<&Leaf>| {
+        agent(
+            &cfg::tools(&tools.url, 2000),
+            &(cfg::hook("redact", &endpoint, &["tool_result"], 2000)
+                + &tls_line(Some(&ca.file), client, "redact.test")),
+        )
+    };
+    let lattice = Lattice::start(&with(Some(&client))).await;
+    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw write to [REDACTED:email]");
+    // Without a client certificate the example refuses the connection.
+    let lattice = Lattice::start(&with(None)).await;
+    let out = lattice.query("x", "go").await;
+    out.hook_failure();
+    assert!(!out.everything().contains("ada@example.com"));
+}
