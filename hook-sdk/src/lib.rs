@@ -27,7 +27,8 @@
 //! ```
 //!
 //! Several hooks can run in one service, in order, each seeing the previous
-//! one's output: [`Chain`]. Lattice itself calls the hooks registered for an
+//! one's output: [`Chain`]. [`serve_tls`] serves TLS, and with
+//! [`Tls::require_client_ca`] mutual TLS. Lattice itself calls the hooks registered for an
 //! agent in order, within strict deadlines, and aborts the query when any
 //! call fails: returning an error `Status` from a hook is how a hook refuses
 //! to let a value through.
