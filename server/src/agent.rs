@@ -18,6 +18,7 @@ use crate::{
     config::{AgentDef, Config, ServerSettings},
     domain::{Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
     hooks::{HookChain, HookCtx, HookError, ToolCallView},
+    metrics::{Family, Metrics},
     model::{self, DeltaSink, Model, ModelContext, ModelError, ModelSetupError},
     tools::{AgentTools, Binding, CallCtx, CallOutcome, RawResult, ToolSetupError, call_remote},
     trace::{TraceEvent, TraceScope, Tracer},
@@ -168,6 +169,8 @@ pub struct Runtime {
     /// Server-wide settings.
     pub settings: ServerSettings,
     tracer: Tracer,
+    /// The server's metrics.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Runtime {
@@ -175,8 +178,9 @@ impl Runtime {
     pub async fn build(config: &Config) -> Result<Self, SetupError> {
         let mut agents = HashMap::new();
         let mut order = Vec::new();
+        let metrics = Arc::new(Metrics::default());
         for def in &config.agents {
-            let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes)
+            let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes, metrics.clone())
                 .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
             let tools = AgentTools::build(def, &config.server).await?;
             let chain: Vec<String> =
@@ -191,6 +195,7 @@ impl Runtime {
             order,
             settings: config.server.clone(),
             tracer: Tracer::new(config.server.trace_dir.clone()),
+            metrics,
         })
     }
 
@@ -269,6 +274,12 @@ impl Runtime {
             let (reply, ()) = tokio::time::timeout_at(ctx.deadline, async { tokio::join!(complete, forward) })
                 .await
                 .map_err(|_| AgentError::DeadlineExceeded)?;
+            let provider = agent.def.model.provider();
+            let metric_labels = || vec![("agent", agent.def.name.clone()), ("provider", provider.to_owned())];
+            self.metrics.observe(Family::ModelRequestDuration, metric_labels(), started.elapsed());
+            let mut with_outcome = metric_labels();
+            with_outcome.push(("outcome", reply.as_ref().map_or_else(|e| e.kind.as_str(), |_| "ok").to_owned()));
+            self.metrics.count(Family::ModelRequests, with_outcome);
             let reply = reply?;
             drop(request);
             debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), elapsed_ms = started.elapsed().as_millis() as u64, "model replied");
@@ -395,6 +406,7 @@ impl Runtime {
                         armed: true,
                         agent: agent.clone(),
                         tracer: self.tracer.clone(),
+                        metrics: self.metrics.clone(),
                         scope: scope.clone(),
                         call: call.clone(),
                         turn,
@@ -417,6 +429,7 @@ impl Runtime {
             }
         };
         check_deadline(ctx)?;
+        count_tool_call(&self.metrics, agent, &call.name, raw.outcome);
         let view = ToolCallView {
             tool_name: &call.name,
             tool_use_id: &call.id,
@@ -500,6 +513,20 @@ fn push_prompt(messages: &mut Vec<Message>, prompt: String) {
     }
 }
 
+/// Counts a tool call by outcome, before the hooks see its result. A name
+/// the agent doesn't have (the model made it up) is counted as `(unknown)`.
+fn count_tool_call(metrics: &Metrics, agent: &AgentRuntime, name: &str, outcome: CallOutcome) {
+    let tool = if agent.tools.bindings.contains_key(name) { name } else { "(unknown)" };
+    metrics.count(
+        Family::ToolCalls,
+        vec![
+            ("agent", agent.def.name.clone()),
+            ("tool", tool.to_owned()),
+            ("outcome", outcome_name(outcome).to_owned()),
+        ],
+    );
+}
+
 /// The outcome's name in traces and logs.
 pub fn outcome_name(o: CallOutcome) -> &'static str {
     match o {
@@ -518,6 +545,7 @@ struct CancelGuard {
     armed: bool,
     agent: Arc<AgentRuntime>,
     tracer: Tracer,
+    metrics: Arc<Metrics>,
     scope: TraceScope,
     call: ToolUse,
     turn: u32,
@@ -531,7 +559,11 @@ impl CancelGuard {
 
 impl Drop for CancelGuard {
     fn drop(&mut self) {
-        if !self.armed || !self.agent.hooks.handles_tool_results() {
+        if !self.armed {
+            return;
+        }
+        count_tool_call(&self.metrics, &self.agent, &self.call.name, CallOutcome::Cancelled);
+        if !self.agent.hooks.handles_tool_results() {
             return;
         }
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };

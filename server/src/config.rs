@@ -346,6 +346,14 @@ impl fmt::Debug for HttpModelConfig {
 }
 
 impl ModelConfig {
+    /// The provider's name: `scripted`, `anthropic` or `openai`.
+    pub fn provider(&self) -> &'static str {
+        match self {
+            ModelConfig::Scripted { .. } => "scripted",
+            ModelConfig::Http(h) => h.provider.as_str(),
+        }
+    }
+
     /// `provider/name`, for GetAgent and logs.
     pub fn label(&self) -> String {
         match self {

@@ -11,7 +11,7 @@
 //! `tokio::time::timeout_at`, whatever the hook or the network does;
 //! connecting (channels connect lazily) counts toward it.
 
-use std::{fmt, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 
 use lattice_proto::{agent::v1 as apb, hooks::v1 as pb};
 use tokio::time::Instant;
@@ -22,6 +22,7 @@ use crate::{
     config::{HookDef, HookEvents},
     convert::{self, DecodeError},
     domain::{JsonObject, ModelRequest, ToolResult, validate_conversation},
+    metrics::{Family, Metrics},
     peer::{Addresses, Peer},
 };
 
@@ -166,6 +167,7 @@ struct Hook {
 pub struct HookChain {
     agent: String,
     hooks: Vec<Hook>,
+    metrics: Arc<Metrics>,
 }
 
 /// A `grpc-timeout` header value for `d`: microseconds while they fit the
@@ -179,7 +181,12 @@ fn grpc_timeout(d: Duration) -> MetadataValue<tonic::metadata::Ascii> {
 impl HookChain {
     /// The chain of `agent`'s enabled hooks (disabled entries are skipped).
     /// On error, names the hook whose endpoint could not be used.
-    pub fn new(agent: &str, defs: &[HookDef], max_message_bytes: usize) -> Result<Self, (String, String)> {
+    pub fn new(
+        agent: &str,
+        defs: &[HookDef],
+        max_message_bytes: usize,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, (String, String)> {
         let mut hooks = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
             let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline).map_err(|e| (d.name.clone(), e))?;
@@ -194,7 +201,7 @@ impl HookChain {
                 addresses: peer.addresses,
             });
         }
-        Ok(Self { agent: agent.to_owned(), hooks })
+        Ok(Self { agent: agent.to_owned(), hooks, metrics })
     }
 
     /// Whether any enabled hook handles tool results.
@@ -315,8 +322,17 @@ impl HookChain {
             outcome = tracing::field::Empty,
             elapsed_ms = tracing::field::Empty,
         );
+        let record = |outcome: &'static str| {
+            let labels =
+                || vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
+            self.metrics.observe(Family::HookCallDuration, labels(), started.elapsed());
+            let mut with_outcome = labels();
+            with_outcome.push(("outcome", outcome.to_owned()));
+            self.metrics.count(Family::HookCalls, with_outcome);
+        };
         let fail = |failure: HookFailure| {
             let elapsed_ms = started.elapsed().as_millis() as u64;
+            record(failure.kind());
             span.record("outcome", failure.kind()).record("elapsed_ms", elapsed_ms);
             let code = match &failure {
                 HookFailure::Status(c) => Some(*c),
@@ -341,6 +357,7 @@ impl HookChain {
             Ok(Err(status)) => Err(fail(classify(&status, call_deadline))),
             Ok(Ok(reply)) => {
                 let elapsed_ms = started.elapsed().as_millis() as u64;
+                record("ok");
                 span.record("outcome", "ok").record("elapsed_ms", elapsed_ms);
                 debug!(parent: &span, elapsed_ms, "hook answered");
                 Ok(reply.into_inner())

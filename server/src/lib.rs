@@ -12,6 +12,7 @@
 //! - [`model`]: the model trait and its providers.
 //! - [`session`]: stored conversations and the one-query-per-session lease.
 //! - [`trace`]: post-hook trace events.
+//! - [`metrics`]: Prometheus metrics at `GET /metrics` on the same port.
 //! - [`service`], [`status`]: the gRPC service and its one status mapping.
 //! - [`example_tools`]: the customer-lookup tool service used by the quickstart.
 //!
@@ -25,6 +26,7 @@ pub mod convert;
 pub mod domain;
 pub mod example_tools;
 pub mod hooks;
+pub mod metrics;
 pub mod model;
 pub mod peer;
 pub mod service;
@@ -63,6 +65,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let runtime = Arc::new(Runtime::build(&config).await?);
+    let metrics = runtime.metrics.clone();
     let max = config.server.max_message_bytes;
     let agents = AgentServiceServer::new(AgentSvc::new(runtime, Arc::new(MemoryStore::default())))
         .max_decoding_message_size(max)
@@ -91,11 +94,13 @@ pub async fn run(
         // The overall status ("") is what Kubernetes' grpc probes check by default.
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     };
+    let mut grpc = tonic::service::Routes::builder();
+    grpc.add_service(health_svc).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);
+    // Prometheus scrapes over HTTP/1.1; gRPC stays on HTTP/2 on the same port.
+    let router = grpc.routes().into_axum_router().route_service("/metrics", metrics::Endpoint(metrics));
     tonic::transport::Server::builder()
-        .add_service(health_svc)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(agents)
+        .accept_http1(true)
+        .add_routes(router.into())
         .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await?;
     info!("stopped");

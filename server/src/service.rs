@@ -16,6 +16,7 @@ use tracing::{Instrument, info, info_span, warn};
 use crate::{
     agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
     convert,
+    metrics::Family,
     session::{SessionStore, StoreError},
     status,
     tools::{Binding, CallOutcome},
@@ -194,8 +195,10 @@ impl AgentService for AgentSvc {
             include_model_requests: req.include_model_requests,
         };
         let started = pb::QueryStarted { query_id, session_id: session_id.clone(), agent: agent.def.name.clone() };
+        let in_flight = self.runtime.metrics.query_started();
         let driver = async move {
             let _permit = permit;
+            let _in_flight = in_flight;
             let scope = TraceScope { agent: agent.def.name.clone(), session_id, query_id: ctx.query_id.clone() };
             let _ = out_tx.send(Out::Event(PbEvent::Started(started))).await;
             let history = lease.session.messages.clone();
@@ -219,6 +222,13 @@ impl AgentService for AgentSvc {
             drop(ctx); // the last event sender: lets `forward` finish
             forward.await; // flush events sent before the outcome
             let elapsed_ms = began.elapsed().as_millis() as u64;
+            let metrics = &runtime.metrics;
+            metrics.observe(Family::QueryDuration, vec![("agent", agent.def.name.clone())], began.elapsed());
+            let code = outcome.as_ref().map_or_else(|e| status::agent_error(e).code(), |_| tonic::Code::Ok);
+            metrics.count(
+                Family::Queries,
+                vec![("agent", agent.def.name.clone()), ("code", status::code_name(code).into())],
+            );
             match outcome {
                 Ok(out) => {
                     let (text, stop_reason, turns, usage) = (out.text, out.stop_reason, out.turns, out.usage);

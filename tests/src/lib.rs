@@ -217,6 +217,21 @@ impl Lattice {
         AgentServiceClient::new(ch).max_decoding_message_size(64 << 20)
     }
 
+    /// `GET /metrics` over HTTP/1.1 on the gRPC port: the Prometheus text.
+    pub async fn metrics(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.url.trim_start_matches("http://");
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connecting for /metrics");
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        conn.write_all(request.as_bytes()).await.expect("sending GET /metrics");
+        let mut response = String::new();
+        conn.read_to_string(&mut response).await.expect("reading /metrics");
+        let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.to_ascii_lowercase().contains("content-type: text/plain"), "{head}");
+        body.to_owned()
+    }
+
     /// Runs a query to its end.
     pub async fn query(&self, agent: &str, prompt: &str) -> Outcome {
         self.query_with(QueryOpts { agent: agent.into(), prompt: prompt.into(), ..Default::default() }).await
@@ -436,6 +451,12 @@ pub fn assert_no_leak(canary: &str, lattice: &Lattice, outcome: &Outcome) {
     assert!(!outcome.everything().contains(canary), "canary reached the client: {}", outcome.everything());
     assert!(!lattice.traces().contains(canary), "canary reached the trace");
     assert!(!logs().contains(canary), "canary reached the logs");
+}
+
+/// The value of the sample `series` (`name{labels}`, exactly as exposed)
+/// in a Prometheus text, if present.
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// A unique canary secret.

@@ -10,7 +10,7 @@ use lattice_tests::{
     bad_hook::BadHook,
     canary, cfg,
     hook::{Behaviour, HookServer, OnRequest, OnResult},
-    result_text,
+    result_text, sample,
     tool::{ToolDef, ToolServer},
 };
 use tonic::Code;
@@ -444,6 +444,52 @@ async fn dns_endpoints_resolve_and_fail_closed_without_an_address() {
     assert_eq!(out.hook_failure()["kind"], "unavailable");
     assert!(out.elapsed < Duration::from_millis(1000), "took {:?} (the hook's deadline is 2 s)", out.elapsed);
     assert_no_leak(&secret, &lattice, &out);
+}
+
+/// Prometheus metrics at `GET /metrics` on the gRPC port count what
+/// happened: queries by code, hook calls by outcome with their durations,
+/// tool calls by outcome (counted before the hooks, so an aborted query's
+/// calls count too; a tool the model made up is `(unknown)`), model
+/// requests; label values come from the config, never from payloads.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_queries_hook_calls_and_tool_calls() {
+    let secret = canary();
+    let tools = ToolServer::start(vec![ToolDef::new("t", &secret)]).await;
+    let hook =
+        HookServer::start(Behaviour { on_result: OnResult::ReplaceText("clean".into()), ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t", &format!("made-up-{secret}")])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("h", &hook.url, &["tool_result"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let before = lattice.metrics().await;
+    assert_eq!(sample(&before, "lattice_queries_in_flight"), Some(0.0), "{before}");
+    assert_eq!(sample(&before, r#"lattice_queries_total{agent="x",code="OK"}"#), None);
+
+    lattice.query("x", "go").await.ok();
+    // The second query aborts at the first result's hook: its second call
+    // (sequential) never runs.
+    hook.state.behaviour.lock().unwrap().fail = Some(Code::PermissionDenied);
+    lattice.query("x", "go").await.hook_failure();
+
+    let m = lattice.metrics().await;
+    for (series, expected) in [
+        (r#"lattice_queries_total{agent="x",code="OK"}"#, 1.0),
+        (r#"lattice_queries_total{agent="x",code="ABORTED"}"#, 1.0),
+        (r#"lattice_hook_calls_total{agent="x",hook="h",event="tool_result",outcome="ok"}"#, 2.0),
+        (r#"lattice_hook_calls_total{agent="x",hook="h",event="tool_result",outcome="status"}"#, 1.0),
+        (r#"lattice_hook_call_duration_seconds_count{agent="x",hook="h",event="tool_result"}"#, 3.0),
+        (r#"lattice_tool_calls_total{agent="x",tool="t",outcome="executed"}"#, 2.0),
+        (r#"lattice_tool_calls_total{agent="x",tool="(unknown)",outcome="blocked"}"#, 1.0),
+        (r#"lattice_model_requests_total{agent="x",provider="scripted",outcome="ok"}"#, 3.0),
+        (r#"lattice_query_duration_seconds_count{agent="x"}"#, 2.0),
+        ("lattice_queries_in_flight", 0.0),
+    ] {
+        assert_eq!(sample(&m, series), Some(expected), "{series} in:\n{m}");
+    }
+    assert!(m.contains("# TYPE lattice_hook_call_duration_seconds histogram"), "{m}");
+    assert!(!m.contains(&secret), "a payload reached the metrics:\n{m}");
 }
 
 /// A delegated agent runs its own chain: its tool results don't reach the

@@ -58,6 +58,19 @@ pub enum ModelErrorKind {
     InvalidResponse,
 }
 
+impl ModelErrorKind {
+    /// Its name in metrics and error details.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelErrorKind::Unavailable => "unavailable",
+            ModelErrorKind::Unauthenticated => "unauthenticated",
+            ModelErrorKind::PermissionDenied => "permission_denied",
+            ModelErrorKind::InvalidRequest => "invalid_request",
+            ModelErrorKind::InvalidResponse => "invalid_response",
+        }
+    }
+}
+
 /// Where a streaming model sends text as it arrives. Inactive (a no-op)
 /// for delegated runs, whose text reaches nobody but their parent.
 #[derive(Debug, Clone, Default)]

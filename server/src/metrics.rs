@@ -1,0 +1,221 @@
+//! Prometheus metrics, served as text at `GET /metrics` on the gRPC port
+//! (plain HTTP/1.1, so any scraper reads it).
+//!
+//! Label values are names from the config (agent, hook, tool, provider),
+//! status codes and outcome kinds: never anything from a request's payload.
+//! A name that is not in the config (a tool the model invented, an agent a
+//! client asked for) is counted as `(unknown)`.
+
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    fmt::Write as _,
+    future::{Ready, ready},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicI64, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+/// Histogram buckets, in seconds: from a loopback hook call to a long query.
+const BUCKETS: [f64; 16] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+/// A metric family: name, help and type, for the exposition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Family {
+    /// Queries, by agent and final gRPC code.
+    Queries,
+    /// Query duration, by agent.
+    QueryDuration,
+    /// Hook RPCs, by agent, hook, event and outcome.
+    HookCalls,
+    /// Hook RPC duration, by agent, hook and event.
+    HookCallDuration,
+    /// Tool calls, by agent, tool and outcome.
+    ToolCalls,
+    /// Model requests (with their retries), by agent, provider and outcome.
+    ModelRequests,
+    /// Model request duration, by agent and provider.
+    ModelRequestDuration,
+}
+
+impl Family {
+    fn name(self) -> &'static str {
+        match self {
+            Family::Queries => "lattice_queries_total",
+            Family::QueryDuration => "lattice_query_duration_seconds",
+            Family::HookCalls => "lattice_hook_calls_total",
+            Family::HookCallDuration => "lattice_hook_call_duration_seconds",
+            Family::ToolCalls => "lattice_tool_calls_total",
+            Family::ModelRequests => "lattice_model_requests_total",
+            Family::ModelRequestDuration => "lattice_model_request_duration_seconds",
+        }
+    }
+
+    fn help(self) -> &'static str {
+        match self {
+            Family::Queries => "Queries by agent and final gRPC status code.",
+            Family::QueryDuration => "Query duration from start to final result or error.",
+            Family::HookCalls => "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply).",
+            Family::HookCallDuration => "Hook RPC duration, connecting included.",
+            Family::ToolCalls => "Tool calls by outcome (executed, failed, blocked, cancelled).",
+            Family::ModelRequests => "Model requests (retries included) by outcome.",
+            Family::ModelRequestDuration => "Model request duration, retries included.",
+        }
+    }
+}
+
+/// Label pairs, in a fixed order per family.
+pub type Labels = Vec<(&'static str, String)>;
+
+#[derive(Debug, Default, Clone)]
+struct Histogram {
+    buckets: [u64; BUCKETS.len()],
+    sum: f64,
+    count: u64,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    counters: BTreeMap<(Family, Labels), u64>,
+    histograms: BTreeMap<(Family, Labels), Histogram>,
+}
+
+/// The metrics of one server.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    in_flight: AtomicI64,
+}
+
+impl Metrics {
+    /// Adds one to a counter.
+    pub fn count(&self, family: Family, labels: Labels) {
+        if let Ok(mut r) = self.registry.lock() {
+            *r.counters.entry((family, labels)).or_default() += 1;
+        }
+    }
+
+    /// Records a duration.
+    pub fn observe(&self, family: Family, labels: Labels, took: Duration) {
+        let secs = took.as_secs_f64();
+        if let Ok(mut r) = self.registry.lock() {
+            let h = r.histograms.entry((family, labels)).or_default();
+            for (bucket, le) in h.buckets.iter_mut().zip(BUCKETS) {
+                if secs <= le {
+                    *bucket += 1;
+                }
+            }
+            h.sum += secs;
+            h.count += 1;
+        }
+    }
+
+    /// A query started; the guard counts it in flight until dropped.
+    pub fn query_started(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+
+    /// The Prometheus text exposition (format 0.0.4).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "# HELP lattice_queries_in_flight Queries running now.");
+        let _ = writeln!(out, "# TYPE lattice_queries_in_flight gauge");
+        let _ = writeln!(out, "lattice_queries_in_flight {}", self.in_flight.load(Ordering::Relaxed));
+        let Ok(r) = self.registry.lock() else { return out };
+        let mut last = None;
+        for ((family, labels), value) in &r.counters {
+            if last != Some(*family) {
+                header(&mut out, *family, "counter");
+                last = Some(*family);
+            }
+            let _ = writeln!(out, "{}{} {value}", family.name(), label_text(labels, None));
+        }
+        for ((family, labels), h) in &r.histograms {
+            if last != Some(*family) {
+                header(&mut out, *family, "histogram");
+                last = Some(*family);
+            }
+            let name = family.name();
+            for (n, le) in h.buckets.iter().zip(BUCKETS) {
+                let _ = writeln!(out, "{name}_bucket{} {n}", label_text(labels, Some(&le.to_string())));
+            }
+            let _ = writeln!(out, "{name}_bucket{} {}", label_text(labels, Some("+Inf")), h.count);
+            let _ = writeln!(out, "{name}_sum{} {}", label_text(labels, None), h.sum);
+            let _ = writeln!(out, "{name}_count{} {}", label_text(labels, None), h.count);
+        }
+        out
+    }
+}
+
+/// Counts a query in flight while it lives.
+#[derive(Debug)]
+pub struct InFlight(Arc<Metrics>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn header(out: &mut String, family: Family, kind: &str) {
+    let _ = writeln!(out, "# HELP {} {}", family.name(), family.help());
+    let _ = writeln!(out, "# TYPE {} {kind}", family.name());
+}
+
+fn label_text(labels: &Labels, le: Option<&str>) -> String {
+    let mut parts: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", escape(v))).collect();
+    if let Some(le) = le {
+        parts.push(format!("le=\"{le}\""));
+    }
+    if parts.is_empty() { String::new() } else { format!("{{{}}}", parts.join(",")) }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// `GET /metrics`: a tower service for the server's HTTP routes.
+#[derive(Debug, Clone)]
+pub struct Endpoint(pub Arc<Metrics>);
+
+impl<B> tower::Service<http::Request<B>> for Endpoint {
+    type Response = http::Response<String>;
+    type Error = Infallible;
+    type Future = Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: http::Request<B>) -> Self::Future {
+        let mut response = http::Response::new(self.0.render());
+        response
+            .headers_mut()
+            .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
+        ready(Ok(response))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_histograms() {
+        let m = Metrics::default();
+        m.count(Family::Queries, vec![("agent", "a\"b".into()), ("code", "OK".into())]);
+        m.count(Family::Queries, vec![("agent", "a\"b".into()), ("code", "OK".into())]);
+        m.observe(Family::QueryDuration, vec![("agent", "a".into())], Duration::from_millis(30));
+        let text = m.render();
+        assert!(text.contains("lattice_queries_total{agent=\"a\\\"b\",code=\"OK\"} 2"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.025\"} 0"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.05\"} 1"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_count{agent=\"a\"} 1"), "{text}");
+        assert_eq!(text.matches("# TYPE lattice_queries_total counter").count(), 1);
+    }
+}
