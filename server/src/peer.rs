@@ -195,6 +195,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
 /// The addresses a `dns:///` target has now; always "some" for `http://`.
 #[derive(Debug, Clone, Default)]
 pub struct Addresses(Option<Arc<AtomicUsize>>);
