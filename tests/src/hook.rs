@@ -152,12 +152,28 @@ impl HookServer {
         addr: std::net::SocketAddr,
         behaviour: Behaviour,
     ) -> HookServer {
+        Self::serve(listener, addr, behaviour, None)
+    }
+
+    /// Starts a hook serving TLS (its `url` is `https://`).
+    pub async fn start_tls(behaviour: Behaviour, tls: tonic::transport::ServerTlsConfig) -> HookServer {
+        let (listener, addr) = crate::bind().await;
+        Self::serve(listener, addr, behaviour, Some(tls))
+    }
+
+    fn serve(
+        listener: tokio::net::TcpListener,
+        addr: std::net::SocketAddr,
+        behaviour: Behaviour,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+    ) -> HookServer {
         let state = Arc::new(State { behaviour: Mutex::new(behaviour), calls: Mutex::new(vec![]) });
         let routes = tonic::service::Routes::new(
             HookServiceServer::new(Scripted(state.clone())).max_encoding_message_size(64 << 20),
         );
-        let server = Background::serve(listener, routes);
-        HookServer { url: format!("http://{addr}"), state, server }
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let server = Background::serve_with(listener, routes, tls);
+        HookServer { url: format!("{scheme}://{addr}"), state, server }
     }
 
     /// Stops the server (its port closes).
