@@ -606,6 +606,12 @@ pub async fn start_example_tools() -> (String, oneshot::Sender<()>) {
 /// Starts the Python example hook (its code generated now from the .proto
 /// with grpcio-tools) on a free loopback port; returns its URL and process.
 pub async fn start_python_hook() -> (String, Child) {
+    start_python_hook_with(&[]).await
+}
+
+/// [`start_python_hook`] with extra arguments (`--tls-cert …`); the URL is
+/// `https://` when they include `--tls-cert`.
+pub async fn start_python_hook_with(args: &[&str]) -> (String, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let gen_dir = temp_dir("pygen");
     let example = workspace_root().join("hook-sdk/examples/python");
@@ -623,6 +629,7 @@ pub async fn start_python_hook() -> (String, Child) {
     let mut child = tokio::process::Command::new("python3")
         .arg(example.join("redact_hook.py"))
         .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .env("LATTICE_PY_GEN", &gen_dir)
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -635,7 +642,8 @@ pub async fn start_python_hook() -> (String, Child) {
         .unwrap()
         .unwrap();
     let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
-    (format!("http://127.0.0.1:{port}"), Child(child))
+    let scheme = if args.contains(&"--tls-cert") { "https" } else { "http" };
+    (format!("{scheme}://127.0.0.1:{port}"), Child(child))
 }
 
 /// A tonic server running in the background on a bound listener; it stops

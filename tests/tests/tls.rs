@@ -157,35 +157,40 @@ async fn bad_tls_settings_are_refused_at_start_up() {
     let _ = std::fs::remove_file(garbage);
 }
 
-/// The `redact` example serves mutual TLS from PEM files given as flags.
+/// The `redact` examples, Rust and Python, serve mutual TLS from PEM files
+/// given as flags.
 #[tokio::test(flavor = "multi_thread")]
-async fn the_redact_example_serves_mutual_tls() {
+async fn the_redact_examples_serve_mutual_tls() {
     let ca = TestCa::new("example");
     let (server, client) = (ca.issue("redact.test"), ca.issue("lattice.test"));
     let path = |p: &Path| p.display().to_string();
-    let (url, _child) = lattice_tests::start_example(
-        "redact",
-        &[
-            "--tls-cert",
-            &path(&server.cert_file),
-            "--tls-key",
-            &path(&server.key_file),
-            "--tls-client-ca",
-            &path(&ca.file),
-        ],
-    )
-    .await;
+    let flags = [
+        "--tls-cert".to_owned(),
+        path(&server.cert_file),
+        "--tls-key".to_owned(),
+        path(&server.key_file),
+        "--tls-client-ca".to_owned(),
+        path(&ca.file),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (rust, _rust) = lattice_tests::start_example("redact", &flags).await;
+    let (python, _python) = lattice_tests::start_python_hook_with(&flags).await;
+    assert!(python.starts_with("https://"));
+    for endpoint in [rust.replace("http://", "https://"), python] {
+        redact_over_mutual_tls(&ca, &client, &endpoint).await;
+    }
+}
+
+async fn redact_over_mutual_tls(ca: &TestCa, client: &Leaf, endpoint: &str) {
     let tools = ToolServer::start(vec![ToolDef::new("fetch", "write to ada@example.com")]).await;
-    let endpoint = url.replace("http://", "https://");
     let with = |client: Option<&Leaf>| {
         agent(
             &cfg::tools(&tools.url, 2000),
-            &(cfg::hook("redact", &endpoint, &["tool_result"], 2000)
-                + &tls_line(Some(&ca.file), client, "redact.test")),
+            &(cfg::hook("redact", endpoint, &["tool_result"], 2000) + &tls_line(Some(&ca.file), client, "redact.test")),
         )
     };
-    let lattice = Lattice::start(&with(Some(&client))).await;
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw write to [REDACTED:email]");
+    let lattice = Lattice::start(&with(Some(client))).await;
+    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw write to [REDACTED:email]", "{endpoint}");
     // Without a client certificate the example refuses the connection.
     let lattice = Lattice::start(&with(None)).await;
     let out = lattice.query("x", "go").await;

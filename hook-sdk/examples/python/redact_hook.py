@@ -16,6 +16,11 @@ Set up and run:
 With `--listen 127.0.0.1:0` it picks a free port; the first line it prints
 is `listening on PORT`. Register it in Lattice's config for the
 `tool_result` event.
+
+TLS: `--tls-cert FILE --tls-key FILE` (PEM) serve TLS, and `--tls-client-ca
+FILE` also requires Lattice to present a certificate signed by that CA
+(mutual TLS); Lattice then names the hook with `https://` (or `dns:///`) and
+a `tls` table.
 """
 
 import argparse
@@ -111,10 +116,28 @@ class RedactHook(hooks_pb2_grpc.HookServiceServicer):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:50074")
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (PEM)")
     args = parser.parse_args()
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        parser.error("--tls-cert and --tls-key go together; --tls-client-ca needs them")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     hooks_pb2_grpc.add_HookServiceServicer_to_server(RedactHook(), server)
-    port = server.add_insecure_port(args.listen)
+    if args.tls_cert:
+        def read(path):
+            with open(path, "rb") as f:
+                return f.read()
+
+        client_ca = read(args.tls_client_ca) if args.tls_client_ca else None
+        credentials = grpc.ssl_server_credentials(
+            [(read(args.tls_key), read(args.tls_cert))],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+        port = server.add_secure_port(args.listen, credentials)
+    else:
+        port = server.add_insecure_port(args.listen)
     server.start()
     print(f"listening on {port}", flush=True)
     stop = threading.Event()
