@@ -47,6 +47,7 @@ Lattice is serving on 127.0.0.1:50051 (logs and traces in target/quickstart*). T
   grpcurl -plaintext -d '{"name": "support"}' 127.0.0.1:50051 lattice.agent.v1.AgentService/GetAgent
   grpcurl -plaintext -d '{"agent": "support", "prompt": "Find Ada"}' 127.0.0.1:50051 lattice.agent.v1.AgentService/Query
   grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check
+  curl -s 127.0.0.1:50051/metrics | grep '^lattice_hook_calls_total'
 
 Stop the redact hook (kill the `examples/redact` process) and query again:
 the query is aborted with HOOK_FAILED instead of leaking the customer's data.
