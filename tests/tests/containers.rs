@@ -63,6 +63,24 @@ impl OnNetwork {
         let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
         OnNetwork { net, _tool: tool_container, hook, hook_name, server, client }
     }
+
+    /// Queries until one answers "model saw clean", every `every`, failing
+    /// after `within`; no query on the way, nor the server's logs, may hold
+    /// the canary.
+    async fn until_recovered(&self, secret: &str, within: Duration, every: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let out = self.client.query("x", "go").await;
+            assert!(!out.everything().contains(secret));
+            if out.status.is_none() {
+                assert_eq!(out.ok().text, "model saw clean");
+                break;
+            }
+            assert!(Instant::now() < deadline, "no recovery within {within:?}: {:?}", out.status);
+            tokio::time::sleep(every).await;
+        }
+        assert!(!container_logs(&self.server).await.contains(secret), "the canary reached the server's logs");
+    }
 }
 
 /// Three hooks in three containers on a user-defined network: registered
@@ -144,18 +162,7 @@ async fn a_stopped_hook_aborts_and_recovers_at_its_new_address() {
 
     on.hook.start().await.unwrap();
     assert_ne!(container_ip(&on.hook, &on.net), first_address, "the restarted hook kept its address");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let out = on.client.query("x", "go").await;
-        if out.status.is_none() {
-            assert_eq!(out.ok().text, "model saw clean");
-            break;
-        }
-        assert!(!out.everything().contains(&secret));
-        assert!(Instant::now() < deadline, "the restarted hook never became usable: {:?}", out.status);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(!container_logs(&on.server).await.contains(&secret), "the canary reached the server's logs");
+    on.until_recovered(&secret, Duration::from_secs(20), Duration::from_millis(200)).await;
 }
 
 /// A `dns:///` hook endpoint naming two replicas (one network alias, as a
@@ -324,18 +331,7 @@ async fn a_hook_cut_off_the_network_aborts_at_its_deadline_and_recovers() {
     assert!(!out.everything().contains(&secret));
 
     docker(&["network", "connect", &on.net, &on.hook_name]);
-    let deadline = Instant::now() + Duration::from_secs(45);
-    loop {
-        let out = on.client.query("x", "go").await;
-        if out.status.is_none() {
-            assert_eq!(out.ok().text, "model saw clean");
-            break;
-        }
-        assert!(!out.everything().contains(&secret));
-        assert!(Instant::now() < deadline, "no recovery after reconnecting: {:?}", out.status);
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    assert!(!container_logs(&on.server).await.contains(&secret), "the canary reached the server's logs");
+    on.until_recovered(&secret, Duration::from_secs(45), Duration::from_millis(500)).await;
 }
 
 /// The Python example hook (a host process on loopback) in one chain with
