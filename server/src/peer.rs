@@ -180,6 +180,11 @@ impl Checked {
     }
 }
 
+/// Whether calls to `endpoint` use TLS.
+pub fn uses_tls(endpoint: &str, tls: Option<&Tls>) -> bool {
+    endpoint.starts_with("https://") || (endpoint.starts_with("dns:///") && tls.is_some())
+}
+
 /// Checks an endpoint and its TLS setting without connecting (for config
 /// validation); the error says what is wrong without repeating secrets.
 pub fn check(endpoint: &str, tls: Option<&Tls>) -> Result<(), String> {

@@ -17,6 +17,7 @@ use crate::{
     agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
     convert,
     metrics::Family,
+    peer,
     session::{SessionStore, StoreError},
     status,
     tools::{Binding, CallOutcome},
@@ -119,6 +120,7 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
                     spec: Some(s.into()),
                     target: b.map(Binding::target).unwrap_or_default(),
                     deadline_ms: b.map(|b| b.deadline().as_millis() as u64).unwrap_or_default(),
+                    tls: matches!(b, Some(Binding::Remote { tls: true, .. })),
                 }
             })
             .collect(),
@@ -135,6 +137,8 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
                     .collect(),
                 deadline_ms: h.deadline.as_millis() as u64,
                 enabled: h.enabled,
+                tls: peer::uses_tls(&h.endpoint, h.tls.as_ref()),
+                client_certificate: h.tls.as_ref().is_some_and(|t| t.identity.is_some()),
             })
             .collect(),
         parallel_tool_calls: d.parallel_tool_calls as u32,

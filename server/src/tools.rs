@@ -16,7 +16,7 @@ use crate::{
     config::{AgentDef, ServerSettings},
     convert,
     domain::{JsonObject, ToolResult, ToolSpec, ToolUse},
-    peer::{Addresses, Peer},
+    peer::{self, Addresses, Peer},
 };
 
 /// Where a tool's calls go.
@@ -32,6 +32,8 @@ pub enum Binding {
         client: pb::tool_service_client::ToolServiceClient<Channel>,
         /// Whether a `dns:///` endpoint has an address now.
         addresses: Addresses,
+        /// Whether calls use TLS.
+        tls: bool,
     },
     /// Another agent, run on a fresh session.
     Agent {
@@ -201,6 +203,7 @@ impl AgentTools {
                     deadline: source.deadline,
                     client: client.clone(),
                     addresses: peer.addresses.clone(),
+                    tls: peer::uses_tls(&source.endpoint, source.tls.as_ref()),
                 };
                 tools.add(&def.name, spec, binding)?;
             }

@@ -5,6 +5,7 @@
 use std::{path::Path, time::Duration};
 
 use lattice_hook_sdk::{Hook, Status, Tls, ToolResultBlock, ToolResultCall, with_text};
+use lattice_proto::agent::v1::GetAgentRequest;
 use lattice_tests::{
     Lattice, assert_no_leak, canary, cfg,
     tls::{Leaf, TestCa},
@@ -86,7 +87,14 @@ async fn hooks_and_tools_over_mutual_tls() {
         }
         assert_eq!(out.ok().text, "model saw clean", "{endpoint}");
         assert_no_leak(&secret, &lattice, &out);
+        // GetAgent says so.
+        let agent = lattice.client().await.get_agent(GetAgentRequest { name: "x".into() }).await.unwrap().into_inner();
+        assert!(agent.hooks[0].tls && agent.hooks[0].client_certificate, "{:?}", agent.hooks);
+        assert!(agent.tools[0].tls, "{:?}", agent.tools);
     }
+    let plain = Lattice::start(&agent(&cfg::declared_tools("http://127.0.0.1:1", 100, &["fetch"]), "")).await;
+    let agent = plain.client().await.get_agent(GetAgentRequest { name: "x".into() }).await;
+    assert!(!agent.unwrap().into_inner().tools.iter().any(|t| t.tls));
 }
 
 /// Every TLS failure to a hook aborts the query at once, fail-closed: an
