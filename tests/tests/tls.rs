@@ -61,7 +61,7 @@ fn agent(tools: &str, hook: &str) -> String {
 
 /// A hook that requires client certificates (mutual TLS) and a tool over
 /// TLS, both verified against a private CA under a name that is not the
-/// address: by `https://` and by `dns:///`.
+/// address: by `https://` and by `dns:///` (tools discovered over TLS).
 #[tokio::test(flavor = "multi_thread")]
 async fn hooks_and_tools_over_mutual_tls() {
     let secret = canary();
@@ -71,8 +71,12 @@ async fn hooks_and_tools_over_mutual_tls() {
     let tools =
         ToolServer::start_with(vec![ToolDef::new("fetch", &secret)], Some(ca.server_config(&tool_cert, false))).await;
     assert!(tools.url.starts_with("https://"));
-    let tools_cfg = cfg::tools(&tools.url, 2000) + &tls_line(Some(&ca.file), None, "tools.test");
-    for endpoint in [format!("https://127.0.0.1:{}", hook.port), format!("dns:///127.0.0.1:{}", hook.port)] {
+    for scheme in ["https://", "dns:///"] {
+        // The tool's list is discovered over TLS at start-up, a dns:/// name
+        // being resolved in the background meanwhile.
+        let tools_cfg =
+            cfg::tools(&tools.url.replace("https://", scheme), 2000) + &tls_line(Some(&ca.file), None, "tools.test");
+        let endpoint = format!("{scheme}127.0.0.1:{}", hook.port);
         let hook_cfg = cfg::hook("redact", &endpoint, &["tool_result"], 2000)
             + &tls_line(Some(&ca.file), Some(&client), "hook.test");
         let lattice = Lattice::start(&agent(&tools_cfg, &hook_cfg)).await;
