@@ -226,9 +226,10 @@ impl AgentService for AgentSvc {
             drop(ctx); // the last event sender: lets `forward` finish
             forward.await; // flush events sent before the outcome
             let elapsed_ms = began.elapsed().as_millis() as u64;
+            let failure = outcome.as_ref().err().map(status::agent_error);
+            let code = failure.as_ref().map_or(tonic::Code::Ok, Status::code);
             let metrics = &runtime.metrics;
             metrics.observe(Family::QueryDuration, vec![("agent", agent.def.name.clone())], began.elapsed());
-            let code = outcome.as_ref().map_or_else(|e| status::agent_error(e).code(), |_| tonic::Code::Ok);
             metrics.count(
                 Family::Queries,
                 vec![("agent", agent.def.name.clone()), ("code", status::code_name(code).into())],
@@ -257,7 +258,7 @@ impl AgentService for AgentSvc {
                 }
                 Err(e) => {
                     drop(lease);
-                    let st = status::agent_error(&e);
+                    let st = failure.unwrap_or_else(|| status::agent_error(&e));
                     runtime
                         .tracer()
                         .emit(&scope, TraceEvent::Error { code: &format!("{:?}", st.code()), message: st.message() })
