@@ -274,12 +274,9 @@ impl Runtime {
             let (reply, ()) = tokio::time::timeout_at(ctx.deadline, async { tokio::join!(complete, forward) })
                 .await
                 .map_err(|_| AgentError::DeadlineExceeded)?;
-            let provider = agent.def.model.provider();
-            let metric_labels = || vec![("agent", agent.def.name.clone()), ("provider", provider.to_owned())];
-            self.metrics.observe(Family::ModelRequestDuration, metric_labels(), started.elapsed());
-            let mut with_outcome = metric_labels();
-            with_outcome.push(("outcome", reply.as_ref().map_or_else(|e| e.kind.as_str(), |_| "ok").to_owned()));
-            self.metrics.count(Family::ModelRequests, with_outcome);
+            let labels = vec![("agent", agent.def.name.clone()), ("provider", agent.def.model.provider().to_owned())];
+            let outcome = reply.as_ref().map_or_else(|e| e.kind.as_str(), |_| "ok");
+            self.metrics.call(Family::ModelRequests, Family::ModelRequestDuration, labels, outcome, started.elapsed());
             let reply = reply?;
             drop(request);
             debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), elapsed_ms = started.elapsed().as_millis() as u64, "model replied");

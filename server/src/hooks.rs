@@ -322,13 +322,9 @@ impl HookChain {
             outcome = tracing::field::Empty,
             elapsed_ms = tracing::field::Empty,
         );
-        let record = |outcome: &'static str| {
-            let labels =
-                || vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
-            self.metrics.observe(Family::HookCallDuration, labels(), started.elapsed());
-            let mut with_outcome = labels();
-            with_outcome.push(("outcome", outcome.to_owned()));
-            self.metrics.count(Family::HookCalls, with_outcome);
+        let record = |outcome: &str| {
+            let labels = vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
+            self.metrics.call(Family::HookCalls, Family::HookCallDuration, labels, outcome, started.elapsed());
         };
         let fail = |failure: HookFailure| {
             let elapsed_ms = started.elapsed().as_millis() as u64;

@@ -114,6 +114,15 @@ impl Metrics {
         }
     }
 
+    /// Records one call: its duration in `histogram` under `labels`, and
+    /// one more in `counter` under `labels` and its outcome.
+    pub fn call(&self, counter: Family, histogram: Family, labels: Labels, outcome: &str, took: Duration) {
+        let mut with_outcome = labels.clone();
+        with_outcome.push(("outcome", outcome.to_owned()));
+        self.observe(histogram, labels, took);
+        self.count(counter, with_outcome);
+    }
+
     /// A query started; the guard counts it in flight until dropped.
     pub fn query_started(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
