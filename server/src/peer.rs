@@ -153,14 +153,16 @@ impl Checked {
         if let Some(tls) = tls {
             tls.validate()?;
         }
-        let tls = match (&target, tls) {
-            (Target::Uri(uri), tls) if uri.starts_with("https://") => {
-                Some(tls.cloned().unwrap_or_default().client_config(None))
-            }
-            (Target::Uri(_), Some(_)) => return Err("a tls setting needs an https:// or dns:/// endpoint".into()),
-            (Target::Uri(_), None) | (Target::Dns { .. }, None) => None,
-            (Target::Dns { host, .. }, Some(tls)) => Some(tls.client_config(Some(host))),
-        };
+        if tls.is_some() && !uses_tls(endpoint, tls) {
+            return Err("a tls setting needs an https:// or dns:/// endpoint".into());
+        }
+        let tls = uses_tls(endpoint, tls).then(|| {
+            let host = match &target {
+                Target::Dns { host, .. } => Some(host.as_str()),
+                Target::Uri(_) => None,
+            };
+            tls.cloned().unwrap_or_default().client_config(host)
+        });
         if let Some(config) = &tls {
             // Building a connector parses the certificates and the key.
             Endpoint::from_static("https://lattice.invalid")
@@ -180,7 +182,8 @@ impl Checked {
     }
 }
 
-/// Whether calls to `endpoint` use TLS.
+/// Whether calls to `endpoint` use TLS: `https://`, or `dns:///` with a
+/// TLS setting.
 pub fn uses_tls(endpoint: &str, tls: Option<&Tls>) -> bool {
     endpoint.starts_with("https://") || (endpoint.starts_with("dns:///") && tls.is_some())
 }
@@ -220,6 +223,8 @@ pub struct Peer {
     pub channel: Channel,
     /// See [`Addresses::none`].
     pub addresses: Addresses,
+    /// Whether calls use TLS.
+    pub tls: bool,
 }
 
 impl Peer {
@@ -232,13 +237,15 @@ impl Peer {
             Target::Uri(uri) => Ok(Peer {
                 channel: checked.endpoint(uri.clone(), connect_timeout)?.connect_lazy(),
                 addresses: Addresses::default(),
+                tls: checked.tls.is_some(),
             }),
             Target::Dns { host, port } => {
                 let (channel, changes) = Channel::balance_channel(1024);
                 let count = Arc::new(AtomicUsize::new(0));
                 let name = format!("{host}:{port}");
+                let tls = checked.tls.is_some();
                 tokio::spawn(resolve(name, checked, connect_timeout, changes, count.clone()));
-                Ok(Peer { channel, addresses: Addresses(Some(count)) })
+                Ok(Peer { channel, addresses: Addresses(Some(count)), tls })
             }
         }
     }

@@ -16,7 +16,7 @@ use crate::{
     config::{AgentDef, ServerSettings},
     convert,
     domain::{JsonObject, ToolResult, ToolSpec, ToolUse},
-    peer::{self, Addresses, Peer},
+    peer::{Addresses, Peer},
 };
 
 /// Where a tool's calls go.
@@ -203,7 +203,7 @@ impl AgentTools {
                     deadline: source.deadline,
                     client: client.clone(),
                     addresses: peer.addresses.clone(),
-                    tls: peer::uses_tls(&source.endpoint, source.tls.as_ref()),
+                    tls: peer.tls,
                 };
                 tools.add(&def.name, spec, binding)?;
             }
