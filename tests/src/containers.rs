@@ -54,27 +54,49 @@ pub fn unique(tag: &str) -> String {
 
 /// The peer image (`lattice-test-peer hook|tool`).
 pub async fn peer_image() -> GenericImage {
-    require_docker();
-    GenericBuildableImage::new("lattice-test-peer", "dev")
-        .with_dockerfile_string("FROM scratch\nCOPY peer /peer\nENTRYPOINT [\"/peer\"]\n")
-        .with_file(static_bin("lattice-test-peer"), "peer")
-        .build_image()
-        .await
-        .expect("building the peer image")
+    let dockerfile = "FROM scratch\nCOPY peer /peer\nENTRYPOINT [\"/peer\"]\n";
+    image("lattice-test-peer", dockerfile.to_owned(), &[(static_bin("lattice-test-peer"), "peer")]).await
 }
 
 /// The Lattice image, built from the shipped `deploy/docker/Dockerfile`
 /// around the static debug build; the config is copied in by
 /// [`start_lattice`].
 pub async fn lattice_image() -> GenericImage {
+    let path = crate::workspace_root().join("deploy/docker/Dockerfile");
+    let dockerfile = std::fs::read_to_string(&path).expect("reading deploy/docker/Dockerfile");
+    let files = [
+        (static_bin("lattice"), "lattice"),
+        (PathBuf::from("/etc/ssl/certs/ca-certificates.crt"), "ca-certificates.crt"),
+    ];
+    image("lattice-test-server", dockerfile, &files).await
+}
+
+/// Builds an image from a Dockerfile and the files it copies, tagged with a
+/// fingerprint of them (the Dockerfile, each file's size and modification
+/// time): a test process reuses the image an earlier one built instead of
+/// building it again.
+async fn image(name: &str, dockerfile: String, files: &[(PathBuf, &str)]) -> GenericImage {
+    use std::hash::{Hash, Hasher};
     require_docker();
-    GenericBuildableImage::new("lattice-test-server", "dev")
-        .with_dockerfile(crate::workspace_root().join("deploy/docker/Dockerfile"))
-        .with_file(static_bin("lattice"), "lattice")
-        .with_file("/etc/ssl/certs/ca-certificates.crt", "ca-certificates.crt")
-        .build_image()
-        .await
-        .expect("building the lattice image from deploy/docker/Dockerfile")
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    dockerfile.hash(&mut h);
+    for (path, target) in files {
+        let meta = std::fs::metadata(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        (target, meta.len(), meta.modified().ok()).hash(&mut h);
+    }
+    let tag = format!("{:016x}", h.finish());
+    let built = Command::new("docker")
+        .args(["image", "inspect", "--format", "{{.Id}}", &format!("{name}:{tag}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if built {
+        return GenericImage::new(name, &tag);
+    }
+    let mut build = GenericBuildableImage::new(name, &tag).with_dockerfile_string(dockerfile);
+    for (path, target) in files {
+        build = build.with_file(path, *target);
+    }
+    build.build_image().await.unwrap_or_else(|e| panic!("building the {name} image: {e}"))
 }
 
 /// Where and how to run a peer.
