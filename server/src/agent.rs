@@ -9,7 +9,9 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
-use futures_util::{StreamExt, future::BoxFuture};
+mod ordered;
+
+use futures_util::future::BoxFuture;
 use lattice_proto::hooks::v1 as hpb;
 use tokio::{sync::mpsc, time::Instant};
 use tracing::{debug, info, warn};
@@ -17,7 +19,7 @@ use tracing::{debug, info, warn};
 use crate::{
     config::{AgentDef, Config, ServerSettings},
     domain::{Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
-    hooks::{HookChain, HookCtx, HookError, ToolCallView},
+    hooks::{ChainError, HookChain, HookCtx, HookError, ToolCallView},
     metrics::{Family, Metrics},
     model::{self, DeltaSink, Model, ModelContext, ModelError, ModelSetupError},
     tools::{AgentTools, Binding, CallCtx, CallOutcome, RawResult, ToolSetupError, call_remote},
@@ -68,7 +70,7 @@ pub enum Event {
 pub enum AgentError {
     /// A hook failed: the query is aborted.
     #[error(transparent)]
-    Hook(#[from] HookError),
+    Hook(HookError),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -78,6 +80,15 @@ pub enum AgentError {
     /// The client went away.
     #[error("the client cancelled the query")]
     Cancelled,
+}
+
+impl From<ChainError> for AgentError {
+    fn from(e: ChainError) -> Self {
+        match e {
+            ChainError::Hook(h) => AgentError::Hook(h),
+            ChainError::QueryDeadline => AgentError::DeadlineExceeded,
+        }
+    }
 }
 
 /// A successful run.
@@ -325,6 +336,11 @@ impl Runtime {
     /// Runs one reply's tool calls (up to `parallel_tool_calls` at once) and
     /// returns their post-hook results in tool_use order. Each result's
     /// chain is sequential; different results' chains may overlap.
+    ///
+    /// Results are taken as they finish and released to the trace and the
+    /// client in tool_use order. The first failure returns at once: dropping
+    /// the calls still in flight cancels each tool RPC and hook call (their
+    /// services see the stream reset), without waiting for slower siblings.
     async fn run_tools(
         &self,
         agent: &Arc<AgentRuntime>,
@@ -337,30 +353,37 @@ impl Runtime {
         for (i, u) in uses.iter().enumerate() {
             calls.push(self.run_tool(agent, ctx, scope, turn, i, u));
         }
-        let mut ordered = futures_util::stream::iter(calls).buffered(agent.def.parallel_tool_calls);
+        let mut ordered = ordered::InOrder::new(calls, agent.def.parallel_tool_calls);
         let mut results = Vec::with_capacity(uses.len());
         while let Some(done) = ordered.next().await {
-            let (index, result, outcome, duration) = done?;
-            let call = &uses[index];
-            let outcome_name = outcome_name(outcome);
-            self.tracer
-                .emit(
-                    scope,
-                    TraceEvent::ToolResult { turn, tool_name: &call.name, result: &result, outcome: outcome_name },
-                )
-                .await;
-            debug!(agent = %agent.def.name, turn, tool = %call.name, tool_use_id = %call.id, outcome = outcome_name, bytes = result.len(), is_error = result.is_error, elapsed_ms = duration.as_millis() as u64, "tool result");
-            ctx.send(Event::ToolResult {
-                turn,
-                tool_name: call.name.clone(),
-                result: result.clone(),
-                outcome,
-                duration,
-            })
-            .await;
+            let (result, outcome, duration) = done?;
+            let call = &uses[results.len()];
+            self.release_result(agent, ctx, scope, turn, call, &result, outcome, duration).await;
             results.push(result);
         }
         Ok(results)
+    }
+
+    /// Sends one post-hook tool result to the trace, the log and the client.
+    #[allow(clippy::too_many_arguments)]
+    async fn release_result(
+        &self,
+        agent: &AgentRuntime,
+        ctx: &RunCtx,
+        scope: &TraceScope,
+        turn: u32,
+        call: &ToolUse,
+        result: &ToolResult,
+        outcome: CallOutcome,
+        duration: Duration,
+    ) {
+        let outcome_name = outcome_name(outcome);
+        self.tracer
+            .emit(scope, TraceEvent::ToolResult { turn, tool_name: &call.name, result, outcome: outcome_name })
+            .await;
+        debug!(agent = %agent.def.name, turn, tool = %call.name, tool_use_id = %call.id, outcome = outcome_name, bytes = result.len(), is_error = result.is_error, elapsed_ms = duration.as_millis() as u64, "tool result");
+        ctx.send(Event::ToolResult { turn, tool_name: call.name.clone(), result: result.clone(), outcome, duration })
+            .await;
     }
 
     /// One tool call and its OnToolResult chain.
@@ -372,7 +395,7 @@ impl Runtime {
         turn: u32,
         index: usize,
         call: &ToolUse,
-    ) -> Result<(usize, ToolResult, CallOutcome, Duration), AgentError> {
+    ) -> Result<(usize, (ToolResult, CallOutcome, Duration)), AgentError> {
         use hpb::ToolErrorKind as K;
         let started = Instant::now();
         let def = &agent.def;
@@ -435,7 +458,7 @@ impl Runtime {
             source: raw.source,
         };
         let result = agent.hooks.on_tool_result(&ctx.hook_ctx(turn), &view, raw.result).await?;
-        Ok((index, result, raw.outcome, started.elapsed()))
+        Ok((index, (result, raw.outcome, started.elapsed())))
     }
 
     /// Runs a delegated agent on a fresh session; its final text is the

@@ -9,7 +9,15 @@
 //! A hook's budget is `min(its deadline, what is left of the query's
 //! deadline)`. It is sent as `grpc-timeout` and enforced here with
 //! `tokio::time::timeout_at`, whatever the hook or the network does;
-//! connecting (channels connect lazily) counts toward it.
+//! connecting (channels connect lazily) counts toward it. When the query's
+//! own deadline is the one that cuts a call short, the query ends
+//! DEADLINE_EXCEEDED ([`ChainError::QueryDeadline`]): the hook did nothing
+//! wrong, and the value still goes nowhere.
+//!
+//! A failure's kind is decided from the error's structure, never from text
+//! the hook controls: see [`classify`].
+
+mod transport;
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -17,13 +25,16 @@ use lattice_proto::{agent::v1 as apb, hooks::v1 as pb};
 use tokio::time::Instant;
 use tonic::{Code, metadata::MetadataValue, transport::Channel};
 use tracing::{Instrument, debug, info_span, warn};
+pub use transport::HookTransport;
+use transport::Probe;
 
 use crate::{
     config::{HookDef, HookEvents},
     convert::{self, DecodeError},
-    domain::{JsonObject, ModelRequest, ToolResult, validate_conversation},
+    domain::{JsonObject, Message, ModelRequest, ToolResult, validate_conversation},
     metrics::{Family, Metrics},
     peer::{Addresses, Peer},
+    status::code_name,
 };
 
 /// The two hook events.
@@ -63,13 +74,17 @@ pub enum HookSubject {
 /// How a hook call failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HookFailure {
-    /// It did not answer within its budget (or the budget was already spent).
+    /// It did not answer within its own deadline (or answered
+    /// DEADLINE_EXCEEDED / CANCELLED as that deadline passed).
     Deadline,
-    /// It could not be reached: refused, reset, unresolvable.
+    /// The call failed below gRPC: no address, connection refused, reset or
+    /// closed, broken HTTP/2. The hook sent no status.
     Unavailable,
-    /// It answered with a non-OK status.
+    /// The hook answered with this non-OK status (it sent it).
     Status(Code),
-    /// Its reply was invalid; the reason names ids and positions, never content.
+    /// Its reply was invalid: it does not decode, is too large, breaks the
+    /// gRPC protocol, or is a replacement that breaks the contract. The
+    /// reason names ids and positions, never content.
     InvalidReply(String),
 }
 
@@ -90,7 +105,7 @@ impl fmt::Display for HookFailure {
         match self {
             HookFailure::Deadline => f.write_str("deadline exceeded"),
             HookFailure::Unavailable => f.write_str("unavailable"),
-            HookFailure::Status(c) => write!(f, "returned status {c:?}"),
+            HookFailure::Status(c) => write!(f, "returned status {}", code_name(*c)),
             HookFailure::InvalidReply(why) => write!(f, "invalid reply: {why}"),
         }
     }
@@ -113,6 +128,19 @@ pub struct HookError {
     pub subject: HookSubject,
     /// What went wrong.
     pub failure: HookFailure,
+}
+
+/// Why a hook chain did not produce a value. Either way the query ends and
+/// the value goes nowhere.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    /// A hook failed: the query is aborted (ABORTED + HOOK_FAILED).
+    #[error(transparent)]
+    Hook(#[from] HookError),
+    /// The query's own deadline passed while a hook worked within it
+    /// (DEADLINE_EXCEEDED, as anywhere else in the query).
+    #[error("the query's deadline passed during a hook call")]
+    QueryDeadline,
 }
 
 impl fmt::Display for HookSubject {
@@ -158,7 +186,7 @@ struct Hook {
     name: String,
     events: HookEvents,
     deadline: Duration,
-    client: pb::hook_service_client::HookServiceClient<Channel>,
+    client: pb::hook_service_client::HookServiceClient<HookTransport>,
     addresses: Addresses,
 }
 
@@ -187,21 +215,35 @@ impl HookChain {
         max_message_bytes: usize,
         metrics: Arc<Metrics>,
     ) -> Result<Self, (String, String)> {
-        let mut hooks = Vec::new();
+        let mut peers = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
             let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline).map_err(|e| (d.name.clone(), e))?;
-            let client = pb::hook_service_client::HookServiceClient::new(peer.channel)
-                .max_decoding_message_size(max_message_bytes)
-                .max_encoding_message_size(max_message_bytes);
-            hooks.push(Hook {
-                name: d.name.clone(),
+            peers.push((d.clone(), peer.channel, peer.addresses));
+        }
+        Ok(Self::over(agent, peers, max_message_bytes, metrics))
+    }
+
+    /// The chain over ready channels, one per enabled hook, in order (tests
+    /// pass in-process channels here).
+    pub fn over(
+        agent: &str,
+        hooks: Vec<(HookDef, Channel, Addresses)>,
+        max_message_bytes: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let hooks = hooks
+            .into_iter()
+            .map(|(d, channel, addresses)| Hook {
+                client: pb::hook_service_client::HookServiceClient::new(HookTransport::new(channel))
+                    .max_decoding_message_size(max_message_bytes)
+                    .max_encoding_message_size(max_message_bytes),
+                name: d.name,
                 events: d.events,
                 deadline: d.deadline,
-                client,
-                addresses: peer.addresses,
-            });
-        }
-        Ok(Self { agent: agent.to_owned(), hooks, metrics })
+                addresses,
+            })
+            .collect();
+        Self { agent: agent.to_owned(), hooks, metrics }
     }
 
     /// Whether any enabled hook handles tool results.
@@ -219,7 +261,7 @@ impl HookChain {
         ctx: &HookCtx<'_>,
         call: &ToolCallView<'_>,
         mut result: ToolResult,
-    ) -> Result<ToolResult, HookError> {
+    ) -> Result<ToolResult, ChainError> {
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
         for hook in self.hooks.iter().filter(|h| h.events.tool_result) {
             let request = pb::OnToolResultRequest {
@@ -232,18 +274,17 @@ impl HookChain {
                 source: Some(call.source.clone()),
             };
             let mut client = hook.client.clone();
-            let reply = self
-                .call(hook, ctx, HookEvent::ToolResult, subject(), request, |req| async move {
-                    client.on_tool_result(req).await
-                })
-                .await?;
-            if let Some(replacement) = reply.result {
-                if replacement.tool_use_id != call.tool_use_id {
-                    // The replacement's id is the hook's text: not repeated.
-                    let why = "the replacement's tool_use_id differs from the result's".to_owned();
-                    return Err(self.error(hook, HookEvent::ToolResult, subject(), HookFailure::InvalidReply(why)));
+            let send = |req| async move { client.on_tool_result(req).await };
+            let accept = |reply: pb::OnToolResultResponse| match reply.result {
+                // The replacement's id is the hook's text: not repeated.
+                Some(r) if r.tool_use_id != call.tool_use_id => {
+                    Err("the replacement's tool_use_id differs from the result's".to_owned())
                 }
-                result = replacement.into();
+                replacement => Ok(replacement.map(ToolResult::from)),
+            };
+            let replacement = self.call(hook, ctx, HookEvent::ToolResult, subject(), request, send, accept).await?;
+            if let Some(r) = replacement {
+                result = r;
             }
         }
         Ok(result)
@@ -255,9 +296,8 @@ impl HookChain {
         &self,
         ctx: &HookCtx<'_>,
         mut request: ModelRequest,
-    ) -> Result<ModelRequest, HookError> {
+    ) -> Result<ModelRequest, ChainError> {
         for hook in self.hooks.iter().filter(|h| h.events.model_request) {
-            let subject = || HookSubject::Turn(ctx.turn);
             let pb_request = pb::OnModelRequestRequest {
                 context: Some(self.context(ctx)),
                 system: request.system.clone(),
@@ -265,20 +305,14 @@ impl HookChain {
                 tools: request.tools.iter().map(apb::ToolSpec::from).collect(),
             };
             let mut client = hook.client.clone();
-            let reply = self
-                .call(hook, ctx, HookEvent::ModelRequest, subject(), pb_request, |req| async move {
-                    client.on_model_request(req).await
-                })
-                .await?;
-            let invalid =
-                |why: String| self.error(hook, HookEvent::ModelRequest, subject(), HookFailure::InvalidReply(why));
-            if let Some(list) = reply.messages {
-                let messages = convert::messages_from_pb(list.messages)
-                    .map_err(|DecodeError(what)| invalid(format!("replacement messages: {what}")))?;
-                validate_conversation(&messages).map_err(|why| invalid(format!("replacement messages: {why}")))?;
+            let send = |req| async move { client.on_model_request(req).await };
+            let subject = HookSubject::Turn(ctx.turn);
+            let (messages, system) =
+                self.call(hook, ctx, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await?;
+            if let Some(messages) = messages {
                 request.messages = messages;
             }
-            if let Some(system) = reply.system {
+            if let Some(system) = system {
                 request.system = system;
             }
         }
@@ -294,9 +328,11 @@ impl HookChain {
         }
     }
 
-    /// One hook RPC within its budget. Every way it can go wrong becomes a
-    /// [`HookError`]; the hook's status message is logged by code only.
-    async fn call<Req, Resp, F, Fut>(
+    /// One hook RPC within its budget, and the check of its reply by
+    /// `accept`. Every way it can go wrong becomes a [`ChainError`], counted
+    /// and logged by kind and code: never with the hook's status message.
+    #[allow(clippy::too_many_arguments)]
+    async fn call<Req, Resp, T, F, Fut>(
         &self,
         hook: &Hook,
         ctx: &HookCtx<'_>,
@@ -304,13 +340,20 @@ impl HookChain {
         subject: HookSubject,
         message: Req,
         send: F,
-    ) -> Result<Resp, HookError>
+        accept: impl FnOnce(Resp) -> Result<T, String>,
+    ) -> Result<T, ChainError>
     where
         F: FnOnce(tonic::Request<Req>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
         let started = Instant::now();
-        let call_deadline = ctx.deadline.min(started + hook.deadline);
+        let hook_deadline = started + hook.deadline;
+        // Whose deadline ends the call: the hook's own, or the query's.
+        let cut_by_query = ctx.deadline < hook_deadline;
+        let call_deadline = ctx.deadline.min(hook_deadline);
+        let labels = vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
+        // Counted however the call ends, dropped mid-flight included.
+        let record = self.metrics.start_call(Family::HookCalls, Family::HookCallDuration, labels, call_deadline);
         // One span per call; `outcome` and `elapsed_ms` are recorded when it ends.
         let span = info_span!(
             "hook",
@@ -322,64 +365,94 @@ impl HookChain {
             outcome = tracing::field::Empty,
             elapsed_ms = tracing::field::Empty,
         );
-        let record = |outcome: &str| {
-            let labels = vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
-            self.metrics.call(Family::HookCalls, Family::HookCallDuration, labels, outcome, started.elapsed());
-        };
-        let fail = |failure: HookFailure| {
-            let elapsed_ms = started.elapsed().as_millis() as u64;
-            record(failure.kind());
-            span.record("outcome", failure.kind()).record("elapsed_ms", elapsed_ms);
-            let code = match &failure {
-                HookFailure::Status(c) => Some(*c),
-                _ => None,
-            };
-            warn!(parent: &span, kind = failure.kind(), code = ?code, elapsed_ms, "hook failed");
-            self.error(hook, event, subject.clone(), failure)
-        };
         let budget = call_deadline.saturating_duration_since(started);
-        if budget.is_zero() {
-            return Err(fail(HookFailure::Deadline));
-        }
-        if hook.addresses.none() {
-            return Err(fail(HookFailure::Unavailable));
-        }
-        span.record("budget_ms", budget.as_millis() as u64);
-        let mut request = tonic::Request::new(message);
-        request.metadata_mut().insert("grpc-timeout", grpc_timeout(budget));
-        let outcome = tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await;
-        match outcome {
-            Err(_elapsed) => Err(fail(HookFailure::Deadline)),
-            Ok(Err(status)) => Err(fail(classify(&status, call_deadline))),
-            Ok(Ok(reply)) => {
-                let elapsed_ms = started.elapsed().as_millis() as u64;
-                record("ok");
-                span.record("outcome", "ok").record("elapsed_ms", elapsed_ms);
-                debug!(parent: &span, elapsed_ms, "hook answered");
-                Ok(reply.into_inner())
+        let failure = if budget.is_zero() {
+            HookFailure::Deadline
+        } else if hook.addresses.none() {
+            HookFailure::Unavailable
+        } else {
+            span.record("budget_ms", budget.as_millis() as u64);
+            let probe = Probe::default();
+            let mut request = tonic::Request::new(message);
+            request.metadata_mut().insert("grpc-timeout", grpc_timeout(budget));
+            request.extensions_mut().insert(probe.clone());
+            match tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await {
+                Err(_elapsed) => HookFailure::Deadline,
+                Ok(Err(status)) => classify(&status, probe.sent(), call_deadline),
+                Ok(Ok(reply)) => match accept(reply.into_inner()) {
+                    Ok(value) => {
+                        let elapsed_ms = started.elapsed().as_millis() as u64;
+                        record.finish("ok");
+                        span.record("outcome", "ok").record("elapsed_ms", elapsed_ms);
+                        debug!(parent: &span, elapsed_ms, "hook answered");
+                        return Ok(value);
+                    }
+                    Err(why) => HookFailure::InvalidReply(why),
+                },
             }
+        };
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        record.finish(failure.kind());
+        span.record("outcome", failure.kind()).record("elapsed_ms", elapsed_ms);
+        if failure == HookFailure::Deadline && cut_by_query {
+            debug!(parent: &span, elapsed_ms, "the query's deadline passed during the hook call");
+            return Err(ChainError::QueryDeadline);
         }
+        let code = match &failure {
+            HookFailure::Status(c) => Some(code_name(*c)),
+            _ => None,
+        };
+        warn!(parent: &span, kind = failure.kind(), code, elapsed_ms, "hook failed");
+        Err(self.error(hook, event, subject, failure).into())
     }
 }
 
-/// Maps a failed call's status to a failure kind. Transport errors reach
-/// tonic clients as `Unavailable` (refused, reset) or `Unknown`/`Internal`
-/// (broken HTTP/2); a `DeadlineExceeded` or `Cancelled` from the peer's own
-/// timer is a deadline; decode and size errors are invalid replies.
-fn classify(status: &tonic::Status, call_deadline: Instant) -> HookFailure {
-    match status.code() {
-        Code::Unavailable => HookFailure::Unavailable,
-        Code::DeadlineExceeded => HookFailure::Deadline,
-        Code::Cancelled if Instant::now() + Duration::from_millis(5) >= call_deadline => HookFailure::Deadline,
-        Code::OutOfRange | Code::ResourceExhausted
-            if status.message().contains("message length too large")
-                || status.message().contains("decoded message length") =>
-        {
-            HookFailure::InvalidReply("reply exceeds the size limit".into())
+/// Checks an OnModelRequest reply: a replacement list must decode and be a
+/// valid conversation (an empty list is not one: a request starts with a
+/// user message).
+fn accept_model_request(reply: pb::OnModelRequestResponse) -> Result<(Option<Vec<Message>>, Option<String>), String> {
+    let messages = match reply.messages {
+        None => None,
+        Some(list) => {
+            let messages = convert::messages_from_pb(list.messages)
+                .map_err(|DecodeError(what)| format!("replacement messages: {what}"))?;
+            if messages.is_empty() {
+                return Err("replacement messages: the list is empty".into());
+            }
+            validate_conversation(&messages).map_err(|why| format!("replacement messages: {why}"))?;
+            Some(messages)
         }
-        Code::Internal if status.message().contains("decode") || status.message().contains("Decode") => {
-            HookFailure::InvalidReply("reply does not decode".into())
-        }
-        code => HookFailure::Status(code),
+    };
+    Ok((messages, reply.system))
+}
+
+/// Decides how a failed call failed, from the error's structure and what the
+/// hook sent on the wire (`sent`: the `grpc-status` it sent, see
+/// [`transport`]), never from the status message:
+/// - the hook sent this very non-OK code: `Status(code)` (DEADLINE_EXCEEDED
+///   or CANCELLED sent as the call's deadline passes is `Deadline`);
+/// - tonic raised it from an error below gRPC (it carries a source: an I/O,
+///   hyper or h2 error): `Unavailable`;
+/// - tonic raised it itself, with no status from the hook: the reply broke
+///   the protocol (does not decode, too large, ends early, no message):
+///   `InvalidReply`; except UNAVAILABLE, which tonic infers from an HTTP
+///   502/503/504 without a gRPC status (a proxy with no backend).
+fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -> HookFailure {
+    let code = status.code();
+    let by_hook = sent == Some(code as i32) && code != Code::Ok && std::error::Error::source(status).is_none();
+    if by_hook {
+        let at_deadline = Instant::now() + Duration::from_millis(5) >= call_deadline;
+        return match code {
+            Code::DeadlineExceeded | Code::Cancelled if at_deadline => HookFailure::Deadline,
+            code => HookFailure::Status(code),
+        };
     }
+    if std::error::Error::source(status).is_some() || code == Code::Unavailable {
+        return HookFailure::Unavailable;
+    }
+    let why = match code {
+        Code::OutOfRange | Code::ResourceExhausted => "the reply exceeds the size limit",
+        _ => "the reply is not a valid gRPC reply of the contract",
+    };
+    HookFailure::InvalidReply(why.into())
 }

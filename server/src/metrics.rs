@@ -19,6 +19,8 @@ use std::{
     time::Duration,
 };
 
+use tokio::time::Instant;
+
 /// Histogram buckets, in seconds: from a loopback hook call to a long query.
 const BUCKETS: [f64; 16] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
@@ -59,10 +61,12 @@ impl Family {
         match self {
             Family::Queries => "Queries by agent and final gRPC status code.",
             Family::QueryDuration => "Query duration from start to final result or error.",
-            Family::HookCalls => "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply).",
+            Family::HookCalls => "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply, cancelled).",
             Family::HookCallDuration => "Hook RPC duration, connecting included.",
             Family::ToolCalls => "Tool calls by outcome (executed, failed, blocked, cancelled).",
-            Family::ModelRequests => "Model requests (retries included) by outcome.",
+            Family::ModelRequests => {
+                "Model requests (retries included) by outcome (ok, deadline, cancelled, or the error kind)."
+            }
             Family::ModelRequestDuration => "Model request duration, retries included.",
         }
     }
@@ -123,6 +127,14 @@ impl Metrics {
         self.count(counter, with_outcome);
     }
 
+    /// Starts timing one call (a hook RPC, a model request). It is recorded
+    /// by [`CallRecord::finish`] with its outcome or, if the call's future
+    /// is dropped first (an abort, a deadline cut), as `deadline` when
+    /// `deadline` has passed and `cancelled` otherwise.
+    pub fn start_call(&self, counter: Family, histogram: Family, labels: Labels, deadline: Instant) -> CallRecord<'_> {
+        CallRecord { metrics: self, counter, histogram, labels: Some(labels), started: Instant::now(), deadline }
+    }
+
     /// A query started; the guard counts it in flight until dropped.
     pub fn query_started(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -158,6 +170,38 @@ impl Metrics {
             let _ = writeln!(out, "{name}_count{} {}", label_text(labels, None), h.count);
         }
         out
+    }
+}
+
+/// One call being timed; see [`Metrics::start_call`].
+#[derive(Debug)]
+pub struct CallRecord<'a> {
+    metrics: &'a Metrics,
+    counter: Family,
+    histogram: Family,
+    /// Taken when recorded, so that a call is recorded once.
+    labels: Option<Labels>,
+    started: Instant,
+    deadline: Instant,
+}
+
+impl CallRecord<'_> {
+    /// Records the call with `outcome`.
+    pub fn finish(mut self, outcome: &str) {
+        self.record(outcome);
+    }
+
+    fn record(&mut self, outcome: &str) {
+        if let Some(labels) = self.labels.take() {
+            self.metrics.call(self.counter, self.histogram, labels, outcome, self.started.elapsed());
+        }
+    }
+}
+
+impl Drop for CallRecord<'_> {
+    fn drop(&mut self) {
+        let outcome = if Instant::now() >= self.deadline { "deadline" } else { "cancelled" };
+        self.record(outcome);
     }
 }
 

@@ -261,9 +261,9 @@ impl AgentService for AgentSvc {
                     let st = failure.unwrap_or_else(|| status::agent_error(&e));
                     runtime
                         .tracer()
-                        .emit(&scope, TraceEvent::Error { code: &format!("{:?}", st.code()), message: st.message() })
+                        .emit(&scope, TraceEvent::Error { code: status::code_name(st.code()), message: st.message() })
                         .await;
-                    warn!(code = ?st.code(), error = %e, elapsed_ms, "query failed");
+                    warn!(code = status::code_name(st.code()), error = %e, elapsed_ms, "query failed");
                     let _ = out_tx.send(Out::Fail(st)).await;
                 }
             }

@@ -68,7 +68,7 @@ pub fn hook_error(e: &HookError) -> Status {
         HookSubject::Turn(t) => meta.insert("turn".into(), t.to_string()),
     };
     if let HookFailure::Status(code) = &e.failure {
-        meta.insert("code".into(), format!("{code:?}"));
+        meta.insert("code".into(), code_name(*code).to_owned());
     }
     Status::with_error_details(Code::Aborted, e.to_string(), ErrorDetails::with_error_info(HOOK_FAILED, DOMAIN, meta))
 }
@@ -115,7 +115,7 @@ mod tests {
         assert_eq!(info.metadata["event"], "tool_result");
         assert_eq!(info.metadata["tool_use_id"], "toolu_1");
         assert_eq!(info.metadata["kind"], "status");
-        assert_eq!(info.metadata["code"], "Unimplemented");
+        assert_eq!(info.metadata["code"], "UNIMPLEMENTED");
         for (e, code) in
             [(AgentError::DeadlineExceeded, Code::DeadlineExceeded), (AgentError::Cancelled, Code::Cancelled)]
         {

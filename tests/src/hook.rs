@@ -62,6 +62,8 @@ pub struct Behaviour {
     pub hang: bool,
     /// Answer with this status.
     pub fail: Option<Code>,
+    /// The failing status's message (default "scripted failure").
+    pub fail_message: Option<String>,
     /// Tool results.
     pub on_result: OnResult,
     /// Model requests.
@@ -196,7 +198,7 @@ impl Scripted {
         }
         if let Some(code) = b.fail {
             // A message that would leak if Lattice passed it on.
-            return Err(Status::new(code, "scripted failure"));
+            return Err(Status::new(code, b.fail_message.as_deref().unwrap_or("scripted failure")));
         }
         Ok(b)
     }

@@ -7,6 +7,7 @@ pub mod bad_hook;
 pub mod containers;
 pub mod fake_api;
 pub mod hook;
+pub mod raw_peer;
 pub mod tls;
 pub mod tool;
 

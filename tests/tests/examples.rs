@@ -96,7 +96,7 @@ async fn the_python_hook_works_in_a_chain_with_rust_hooks() {
     let config = cfg::agent("y", "") + &cfg::turn("hi", &[]) + &cfg::hook("python", &python, &["model_request"], 2000);
     let lattice = Lattice::start(&config).await;
     let meta = lattice.query("y", "hi").await.hook_failure();
-    assert_eq!((meta["kind"].as_str(), meta["code"].as_str()), ("status", "Unimplemented"));
+    assert_eq!((meta["kind"].as_str(), meta["code"].as_str()), ("status", "UNIMPLEMENTED"));
 }
 
 /// `lattice query` prints the event stream readably; `lattice check-config`

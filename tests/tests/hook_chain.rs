@@ -10,6 +10,7 @@ use lattice_tests::{
     bad_hook::BadHook,
     canary, cfg,
     hook::{Behaviour, HookServer, OnRequest, OnResult},
+    raw_peer::{Misbehaviour, RawPeer},
     result_text, sample,
     tool::{ToolDef, ToolServer},
 };
@@ -192,7 +193,8 @@ async fn on_model_request_shapes_one_request_only() {
 }
 
 /// A system-prompt-only replacement keeps the messages; an empty message
-/// list is a real replacement, not "keep".
+/// list is a replacement (not "keep"), and an invalid one: a request starts
+/// with a user message, so the query aborts.
 #[tokio::test(flavor = "multi_thread")]
 async fn system_only_and_empty_list_replacements() {
     let hook =
@@ -204,8 +206,8 @@ async fn system_only_and_empty_list_replacements() {
     assert_eq!(lattice.query("x", "hi").await.ok().text, "new system / 1");
     hook.state.set(Behaviour { on_request: OnRequest::EmptyMessages, ..Default::default() });
     let out = lattice.query("x", "hi").await;
-    assert_eq!(out.ok().text, "old / 0");
-    assert!(out.model_requests()[0].messages.is_empty());
+    assert_eq!(out.hook_failure()["kind"], "invalid_reply");
+    assert!(out.model_requests().is_empty(), "nothing reaches the model");
 }
 
 /// Which way a scripted hook fails, and the `kind` Lattice must report.
@@ -213,11 +215,23 @@ async fn system_only_and_empty_list_replacements() {
 enum Failure {
     Unimplemented,
     Internal,
+    /// A live hook answering UNAVAILABLE: a status it sent, not "unreachable".
+    SaysUnavailable,
+    /// A hook answering INTERNAL with the words tonic uses for a reply that
+    /// does not decode: still the hook's own status.
+    SaysDecodeFailed,
+    /// Likewise OUT_OF_RANGE with the words of tonic's size limit.
+    SaysTooLarge,
     Hang,
     Down,
+    /// Accepts the connection and closes it before HTTP/2.
+    ClosesAtOnce,
+    /// Reads the request, then resets the connection.
+    ResetsAfterRead,
     WrongId,
     Dangling,
     BadRole,
+    EmptyMessages,
     TooLarge,
     Undecodable,
 }
@@ -225,22 +239,58 @@ enum Failure {
 impl Failure {
     fn kind(self) -> &'static str {
         match self {
-            Failure::Unimplemented | Failure::Internal => "status",
+            Failure::Unimplemented
+            | Failure::Internal
+            | Failure::SaysUnavailable
+            | Failure::SaysDecodeFailed
+            | Failure::SaysTooLarge => "status",
             Failure::Hang => "deadline",
-            Failure::Down => "unavailable",
+            Failure::Down | Failure::ClosesAtOnce | Failure::ResetsAfterRead => "unavailable",
             _ => "invalid_reply",
+        }
+    }
+
+    /// The `code` metadata: the canonical gRPC name of the status the hook
+    /// sent, for `status` failures only.
+    fn code(self) -> Option<&'static str> {
+        match self {
+            Failure::Unimplemented => Some("UNIMPLEMENTED"),
+            Failure::Internal | Failure::SaysDecodeFailed => Some("INTERNAL"),
+            Failure::SaysUnavailable => Some("UNAVAILABLE"),
+            Failure::SaysTooLarge => Some("OUT_OF_RANGE"),
+            _ => None,
         }
     }
 }
 
-async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<BadHook>) {
+async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<BadHook>, Option<RawPeer>) {
     let b = |b: Behaviour| async move {
         let h = HookServer::start(b).await;
-        (h.url.clone(), Some(h), None)
+        (h.url.clone(), Some(h), None, None)
+    };
+    let raw = |m: Misbehaviour| async move {
+        let p = RawPeer::start(m).await;
+        (p.url.clone(), None, None, Some(p))
+    };
+    let says = |code: Code, message: &str| Behaviour {
+        fail: Some(code),
+        fail_message: Some(message.to_owned()),
+        ..Default::default()
     };
     match f {
         Failure::Unimplemented => b(Behaviour { fail: Some(Code::Unimplemented), ..Default::default() }).await,
         Failure::Internal => b(Behaviour { fail: Some(Code::Internal), ..Default::default() }).await,
+        Failure::SaysUnavailable => b(says(Code::Unavailable, "scripted failure")).await,
+        Failure::SaysDecodeFailed => {
+            b(says(Code::Internal, "failed to decode Protobuf message: invalid wire type")).await
+        }
+        Failure::SaysTooLarge => {
+            b(says(Code::OutOfRange, "Error, decoded message length too large: found 9 bytes, the limit is: 1 bytes"))
+                .await
+        }
+        Failure::ClosesAtOnce => raw(Misbehaviour::CloseAtOnce).await,
+        Failure::ResetsAfterRead => raw(Misbehaviour::ResetAfterRead).await,
+        Failure::EmptyMessages => b(Behaviour { on_request: OnRequest::EmptyMessages, ..Default::default() }).await,
         Failure::Hang => b(Behaviour { hang: true, ..Default::default() }).await,
         Failure::WrongId => b(Behaviour { on_result: OnResult::WrongId, ..Default::default() }).await,
         Failure::Dangling => b(Behaviour { on_request: OnRequest::Dangling, ..Default::default() }).await,
@@ -253,10 +303,10 @@ async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<BadHook
             })
             .await
         }
-        Failure::Down => (lattice_tests::dead_url().await, None, None),
+        Failure::Down => (lattice_tests::dead_url().await, None, None, None),
         Failure::Undecodable => {
             let h = BadHook::start().await;
-            (h.url.clone(), None, Some(h))
+            (h.url.clone(), None, Some(h), None)
         }
     }
 }
@@ -269,8 +319,13 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
     for f in [
         Failure::Unimplemented,
         Failure::Internal,
+        Failure::SaysUnavailable,
+        Failure::SaysDecodeFailed,
+        Failure::SaysTooLarge,
         Failure::Hang,
         Failure::Down,
+        Failure::ClosesAtOnce,
+        Failure::ResetsAfterRead,
         Failure::WrongId,
         Failure::TooLarge,
         Failure::Undecodable,
@@ -278,7 +333,7 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
         let secret = canary();
         let tools = ToolServer::start(vec![ToolDef::new("t", &format!("the secret is {secret}"))]).await;
         let first = HookServer::start(appender("[ok]")).await;
-        let (url, _keep, _keep_bad) = failing_hook(f).await;
+        let (url, _keep, _keep_bad, _keep_raw) = failing_hook(f).await;
         let config = "[server]\nmax_message_bytes = 65536\n".to_owned()
             + &cfg::agent("x", "")
             + &cfg::turn("go", &["t"])
@@ -292,6 +347,7 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
         assert_eq!(meta["hook"], "second", "{f:?}");
         assert_eq!(meta["event"], "tool_result");
         assert_eq!(meta["kind"], f.kind(), "{f:?}: {:?}", out.status);
+        assert_eq!(meta.get("code").map(String::as_str), f.code(), "{f:?}");
         assert!(meta["tool_use_id"].starts_with("toolu_"));
         assert!(out.tool_results().is_empty(), "{f:?}: no tool result reaches the client");
         assert!(!out.status.as_ref().unwrap().message().contains("scripted failure"));
@@ -307,15 +363,18 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
 async fn every_model_request_hook_failure_aborts_without_leaking() {
     for f in [
         Failure::Unimplemented,
+        Failure::SaysUnavailable,
         Failure::Hang,
         Failure::Down,
+        Failure::ClosesAtOnce,
         Failure::Dangling,
         Failure::BadRole,
+        Failure::EmptyMessages,
         Failure::TooLarge,
         Failure::Undecodable,
     ] {
         let secret = canary();
-        let (url, _keep, _keep_bad) = failing_hook(f).await;
+        let (url, _keep, _keep_bad, _keep_raw) = failing_hook(f).await;
         let config = "[server]\nmax_message_bytes = 65536\n".to_owned()
             + &cfg::agent("x", "")
             + &cfg::turn("{{request}}", &[])
@@ -327,6 +386,7 @@ async fn every_model_request_hook_failure_aborts_without_leaking() {
         assert_eq!(meta["event"], "model_request");
         assert_eq!(meta["turn"], "1");
         assert_eq!(meta["kind"], f.kind(), "{f:?}: {:?}", out.status);
+        assert_eq!(meta.get("code").map(String::as_str), f.code(), "{f:?}");
         assert!(out.model_requests().is_empty() && out.assistant_texts().is_empty());
         assert!(!lattice.traces().contains(&secret), "{f:?}: trace");
         assert!(!lattice_tests::logs().contains(&secret), "{f:?}: logs");
@@ -361,21 +421,26 @@ async fn a_hook_that_never_answers_aborts_at_its_deadline() {
 }
 
 /// A query deadline shorter than the hook's caps the hook's budget: the
-/// hook is told the shorter one and the query ends by it.
+/// hook is told the shorter one, and the query ends by it with
+/// DEADLINE_EXCEEDED, as it would anywhere else (not blaming the hook).
+/// The prompt, which the hook never released, reaches no sink.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_query_deadline_caps_the_hook_budget() {
     let hook = HookServer::start(Behaviour { hang: true, ..Default::default() }).await;
     let config = cfg::agent("x", "") + &cfg::turn("hi", &[]) + &cfg::hook("h", &hook.url, &["model_request"], 5000);
     let lattice = Lattice::start(&config).await;
+    let secret = canary();
     let out = lattice
         .query_with(QueryOpts {
             agent: "x".into(),
-            prompt: "hi".into(),
+            prompt: format!("my secret is {secret}"),
             timeout: Some(Duration::from_millis(400)),
             ..Default::default()
         })
         .await;
-    assert_eq!(out.hook_failure()["kind"], "deadline");
+    assert_eq!(out.code(), Code::DeadlineExceeded, "{:?}", out.status);
+    assert!(out.final_result().is_none() && out.model_requests().is_empty());
+    assert_no_leak(&secret, &lattice, &out);
     assert!(out.elapsed < Duration::from_millis(450), "took {:?}", out.elapsed);
     let sent: u64 =
         hook.state.calls.lock().unwrap()[0].grpc_timeout.as_deref().unwrap().trim_end_matches('u').parse().unwrap();
@@ -576,6 +641,36 @@ async fn parallel_results_keep_their_order_and_their_chain() {
     for r in b.state.tool_results() {
         assert!(result_text(r.result.as_ref().unwrap()).ends_with('a'), "{r:?}");
     }
+}
+
+/// The first hook failure aborts the query at once: it does not wait for a
+/// slower sibling tool call (5 s here), and that call is cancelled, which
+/// the tool service observes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_failure_does_not_wait_for_slower_tool_calls() {
+    let tools =
+        ToolServer::start(vec![ToolDef::new("slow", "S").delay(Duration::from_secs(5)), ToolDef::new("fast", "F")])
+            .await;
+    let hook = HookServer::start(Behaviour { fail: Some(Code::Internal), ..Default::default() }).await;
+    let config = cfg::agent("x", "parallel_tool_calls = 2")
+        + &cfg::turn("go", &["slow", "fast"])
+        + &cfg::turn("{{request}}", &[])
+        + &cfg::tools(&tools.url, 10_000)
+        + &cfg::hook("h", &hook.url, &["tool_result"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    let meta = out.hook_failure();
+    let failed_on = hook.state.tool_results()[0].clone();
+    assert_eq!(failed_on.tool_name, "fast");
+    assert_eq!(meta["tool_use_id"], failed_on.tool_use_id);
+    assert!(out.elapsed < Duration::from_secs(1), "the abort waited {:?}", out.elapsed);
+    let slow_id = tools.state.calls.lock().unwrap().iter().find(|c| c.1 == "slow").unwrap().0.clone();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !tools.state.cancelled.lock().unwrap().iter().any(|c| c.0 == slow_id) {
+        assert!(Instant::now() < deadline, "the slow tool call was not cancelled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(out.tool_results().is_empty());
 }
 
 /// On success the trace holds what was actually sent: post-hook values, not
