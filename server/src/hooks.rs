@@ -378,6 +378,10 @@ impl HookChain {
             request.extensions_mut().insert(probe.clone());
             match tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await {
                 Err(_elapsed) => HookFailure::Deadline,
+                // Whatever ends the call once its deadline has come (a hook
+                // that enforces grpc-timeout may reset the stream at the same
+                // instant) ends it by the deadline.
+                Ok(Err(_)) if Instant::now() >= call_deadline => HookFailure::Deadline,
                 Ok(Err(status)) => classify(&status, probe.sent(), call_deadline),
                 Ok(Ok(reply)) => match accept(reply.into_inner()) {
                     Ok(value) => {
@@ -456,3 +460,6 @@ fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -
     };
     HookFailure::InvalidReply(why.into())
 }
+
+#[cfg(test)]
+mod tests;

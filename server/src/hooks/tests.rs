@@ -1,0 +1,166 @@
+//! The chain's timing and ordering rules on tokio's paused clock, over an
+//! in-process transport: real tonic clients and servers, joined by
+//! in-memory pipes, so a test controls time exactly and needs no ports.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use hyper_util::rt::TokioIo;
+use lattice_proto::hooks::v1::{self as pb, hook_service_server::HookServiceServer};
+use tokio::{sync::mpsc, time::Instant};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::{Channel, Endpoint, Server};
+
+use super::*;
+use crate::{config::HookEvents, domain::JsonObject, metrics::Metrics};
+
+/// A hook that waits `delay`, then appends `marker` to the result's text;
+/// it records the grpc-timeout of each call it receives.
+struct Fake {
+    delay: Duration,
+    marker: &'static str,
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+#[tonic::async_trait]
+impl pb::hook_service_server::HookService for Fake {
+    async fn on_tool_result(
+        &self,
+        request: tonic::Request<pb::OnToolResultRequest>,
+    ) -> Result<tonic::Response<pb::OnToolResultResponse>, tonic::Status> {
+        let timeout = request.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).unwrap_or("");
+        self.seen.lock().unwrap().push(timeout.to_owned());
+        tokio::time::sleep(self.delay).await;
+        let mut result = request.into_inner().result.unwrap_or_default();
+        if let Some(t) = result.content.last_mut() {
+            t.text.push_str(self.marker);
+        }
+        Ok(tonic::Response::new(pb::OnToolResultResponse { result: Some(result) }))
+    }
+
+    async fn on_model_request(
+        &self,
+        _: tonic::Request<pb::OnModelRequestRequest>,
+    ) -> Result<tonic::Response<pb::OnModelRequestResponse>, tonic::Status> {
+        tokio::time::sleep(self.delay).await;
+        Ok(tonic::Response::new(pb::OnModelRequestResponse::default()))
+    }
+}
+
+/// A channel to `hook` served in this process over in-memory pipes.
+fn in_process(hook: Fake) -> Channel {
+    let (accept, incoming) = mpsc::unbounded_channel::<std::io::Result<tokio::io::DuplexStream>>();
+    tokio::spawn(
+        Server::builder()
+            .add_service(HookServiceServer::new(hook))
+            .serve_with_incoming(UnboundedReceiverStream::new(incoming)),
+    );
+    let connect = tower::service_fn(move |_| {
+        let accept = accept.clone();
+        async move {
+            let (client, server) = tokio::io::duplex(64 * 1024);
+            accept.send(Ok(server)).map_err(|_| std::io::Error::other("the in-process server is gone"))?;
+            Ok::<_, std::io::Error>(TokioIo::new(client))
+        }
+    });
+    Endpoint::from_static("http://in-process").connect_with_connector_lazy(connect)
+}
+
+/// A chain of hooks `(marker, delay, deadline)`, each handling tool
+/// results, and what each hook saw as grpc-timeout.
+fn chain(hooks: &[(&'static str, Duration, Duration)]) -> (HookChain, Vec<Arc<Mutex<Vec<String>>>>) {
+    let mut peers = Vec::new();
+    let mut seen = Vec::new();
+    for (marker, delay, deadline) in hooks {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let def = HookDef {
+            name: format!("hook{marker}"),
+            endpoint: "http://in-process".into(),
+            tls: None,
+            events: HookEvents { tool_result: true, model_request: true },
+            deadline: *deadline,
+            enabled: true,
+        };
+        let channel = in_process(Fake { delay: *delay, marker, seen: log.clone() });
+        peers.push((def, channel, Addresses::default()));
+        seen.push(log);
+    }
+    (HookChain::over("agent", peers, 1 << 20, Arc::new(Metrics::default())), seen)
+}
+
+/// Folds one tool result through `chain` with the query's deadline at
+/// `deadline`; returns the result and how long it took on the paused clock.
+async fn fold(chain: &HookChain, deadline: Instant) -> (Result<ToolResult, ChainError>, Duration) {
+    let input = JsonObject::new();
+    let view = ToolCallView {
+        tool_name: "t",
+        tool_use_id: "toolu_1",
+        input: &input,
+        error: None,
+        source: pb::ResultSource::default(),
+    };
+    let ctx = HookCtx { session_id: "s", query_id: "q", turn: 1, deadline };
+    let started = Instant::now();
+    let out = chain.on_tool_result(&ctx, &view, ToolResult::text("toolu_1", "x", false)).await;
+    (out, started.elapsed())
+}
+
+const MS: fn(u64) -> Duration = Duration::from_millis;
+
+/// Each hook gets the previous hook's output, in registered order.
+#[tokio::test(start_paused = true)]
+async fn the_fold_runs_in_registered_order() {
+    let (chain, _) = chain(&[("a", MS(5), MS(1000)), ("b", MS(1), MS(1000)), ("c", MS(3), MS(1000))]);
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    assert_eq!(out.unwrap().content, vec!["xabc".to_owned()]);
+    // Strictly one after the other: 5 + 1 + 3 ms.
+    assert_eq!(took, MS(9));
+}
+
+/// The budget sent to a hook is min(its deadline, what is left of the
+/// query's): here the query's 300 ms for the first hook, then the second
+/// hook's own 200 ms, then what the first hook left of the query's.
+#[tokio::test(start_paused = true)]
+async fn the_budget_is_the_smaller_of_the_hook_and_query_deadlines() {
+    let (chain, seen) = chain(&[("a", MS(150), MS(1000)), ("b", MS(0), MS(200)), ("c", MS(0), MS(1000))]);
+    let (out, _) = fold(&chain, Instant::now() + MS(300)).await;
+    assert!(out.is_ok());
+    let sent: Vec<String> = seen.iter().map(|s| s.lock().unwrap()[0].clone()).collect();
+    assert_eq!(sent, vec!["300000u", "150000u", "150000u"]);
+}
+
+/// A hook slower than its own deadline fails the chain at exactly that
+/// deadline, as the hook's failure (kind deadline).
+#[tokio::test(start_paused = true)]
+async fn a_hook_past_its_own_deadline_fails_at_that_deadline() {
+    let (chain, _) = chain(&[("a", MS(10_000), MS(500))]);
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    match out {
+        Err(ChainError::Hook(e)) => assert_eq!((e.hook.as_str(), e.failure), ("hooka", HookFailure::Deadline)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(took, MS(500));
+}
+
+/// When the query's deadline is the one that cuts the call, the chain ends
+/// at exactly that deadline with QueryDeadline (DEADLINE_EXCEEDED), not as
+/// the hook's failure.
+#[tokio::test(start_paused = true)]
+async fn a_budget_cut_by_the_query_deadline_is_deadline_exceeded() {
+    let (chain, _) = chain(&[("a", MS(100), MS(1000)), ("b", MS(10_000), MS(1000))]);
+    let (out, took) = fold(&chain, Instant::now() + MS(300)).await;
+    assert_eq!(out, Err(ChainError::QueryDeadline));
+    assert_eq!(took, MS(300));
+}
+
+/// With no time left, no hook is called at all.
+#[tokio::test(start_paused = true)]
+async fn no_call_is_made_without_time_left() {
+    let (chain, seen) = chain(&[("a", MS(0), MS(1000))]);
+    let (out, took) = fold(&chain, Instant::now()).await;
+    assert_eq!(out, Err(ChainError::QueryDeadline));
+    assert_eq!(took, Duration::ZERO);
+    assert!(seen[0].lock().unwrap().is_empty());
+}
