@@ -13,6 +13,7 @@
 //! - [`session`]: stored conversations and the one-query-per-session lease.
 //! - [`trace`]: post-hook trace events.
 //! - [`metrics`]: Prometheus metrics at `GET /metrics` on the same port.
+//! - [`logging`]: the log subscriber; transport crates never log peer bytes.
 //! - [`service`], [`status`]: the gRPC service and its one status mapping.
 //! - [`example_tools`]: the customer-lookup tool service used by the quickstart.
 //!
@@ -26,6 +27,7 @@ pub mod convert;
 pub mod domain;
 pub mod example_tools;
 pub mod hooks;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod peer;

@@ -4,9 +4,8 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use lattice_server::{client, config, example_tools, run, shutdown_signal};
+use lattice_server::{client, config, example_tools, logging, run, shutdown_signal};
 use tokio::net::TcpListener;
-use tracing_subscriber::{EnvFilter, fmt};
 
 /// EX_USAGE: the config (or the command line) is wrong.
 const EXIT_CONFIG: u8 = 64;
@@ -73,12 +72,10 @@ enum Command {
 }
 
 fn init_logs(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    logging::init(match format {
+        LogFormat::Text => logging::Format::Text,
+        LogFormat::Json => logging::Format::Json,
+    });
 }
 
 #[tokio::main]

@@ -1,0 +1,72 @@
+//! Log set-up: `RUST_LOG` picks levels, and the transport crates never log.
+//!
+//! h2, hyper, tonic's transport and rustls log what they receive from a peer
+//! at debug and trace: a GOAWAY frame's debug data, PING payloads, protocol
+//! errors that quote them. A hook may echo the value it was given there, and
+//! a tool's frames may carry its raw output, a pre-hook value. So events
+//! from those crates are dropped whatever `RUST_LOG` says, at every level;
+//! Lattice's own events say which hook or tool failed and how, by kind and
+//! code.
+//!
+//! For frame-level debugging of a connection, `LATTICE_LOG_TRANSPORT=1`
+//! lets those events through (still filtered by `RUST_LOG`). It exposes
+//! bytes peers sent, which may hold unredacted tool output: use it only on
+//! a deployment whose data may be seen, and never leave it on.
+
+use tracing::Metadata;
+use tracing_subscriber::{EnvFilter, Layer, filter, layer::SubscriberExt, util::SubscriberInitExt};
+
+/// The variable that lets the transport crates' events through.
+pub const TRANSPORT_OPT_IN: &str = "LATTICE_LOG_TRANSPORT";
+
+/// Crates that handle peers' bytes below gRPC (targets and their modules).
+const TRANSPORT_TARGETS: &[&str] =
+    &["h2", "hyper", "hyper_util", "tonic", "tower", "rustls", "reqwest", "eventsource_stream", "tokio_util", "want"];
+
+/// Whether an event comes from a crate that handles peers' bytes.
+pub fn from_transport(target: &str) -> bool {
+    TRANSPORT_TARGETS
+        .iter()
+        .any(|t| target.strip_prefix(t).is_some_and(|rest| rest.is_empty() || rest.starts_with("::")))
+}
+
+/// The log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Installs the global subscriber: levels from `RUST_LOG` (default `info`),
+/// to stderr, with the transport crates dropped unless opted in.
+pub fn init(format: Format) {
+    let levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let opted_in = std::env::var(TRANSPORT_OPT_IN).is_ok_and(|v| v == "1");
+    let transport = filter::filter_fn(move |m: &Metadata<'_>| opted_in || !from_transport(m.target()));
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let layer = match format {
+        Format::Text => layer.boxed(),
+        Format::Json => layer.json().boxed(),
+    };
+    let _ = tracing_subscriber::registry().with(layer.with_filter(levels).with_filter(transport)).try_init();
+    if opted_in {
+        tracing::warn!("{TRANSPORT_OPT_IN}=1: transport crates may log bytes received from peers");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_crates_and_their_modules_are_recognised() {
+        for t in ["h2", "h2::proto::connection", "hyper::client", "hyper_util::client::legacy", "tonic::transport"] {
+            assert!(from_transport(t), "{t}");
+        }
+        for t in ["lattice_server::hooks", "lattice::trace", "h2o", "tonicity", "towers"] {
+            assert!(!from_transport(t), "{t}");
+        }
+    }
+}
