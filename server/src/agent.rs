@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     config::{AgentDef, Config, ServerSettings},
-    domain::{Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
+    domain::{AssistantReply, Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
     hooks::{ChainError, HookChain, HookCtx, HookError, ToolCallView},
     metrics::{Family, Metrics},
     model::{self, DeltaSink, Model, ModelContext, ModelError, ModelSetupError},
@@ -264,33 +264,9 @@ impl Runtime {
             if ctx.include_model_requests {
                 ctx.send(Event::ModelRequest { turn, request: request.clone() }).await;
             }
-            let mctx = ModelContext { agent: agent.def.name.clone(), query_id: ctx.query_id.clone(), turn };
-            let started = Instant::now();
-            // Streamed text is forwarded while the model answers; the sink
-            // is inactive for delegated runs (no client to see it).
-            let (delta_tx, mut delta_rx) = mpsc::unbounded_channel();
-            let sink = if ctx.events.is_some() {
-                DeltaSink::new(delta_tx)
-            } else {
-                // No sender may outlive the model call, or `forward` never ends.
-                drop(delta_tx);
-                DeltaSink::default()
-            };
-            let complete = agent.model.complete(&request, &mctx, sink);
-            let forward = async {
-                while let Some(text) = delta_rx.recv().await {
-                    ctx.send(Event::TextDelta { turn, text }).await;
-                }
-            };
-            let (reply, ()) = tokio::time::timeout_at(ctx.deadline, async { tokio::join!(complete, forward) })
-                .await
-                .map_err(|_| AgentError::DeadlineExceeded)?;
-            let labels = vec![("agent", agent.def.name.clone()), ("provider", agent.def.model.provider().to_owned())];
-            let outcome = reply.as_ref().map_or_else(|e| e.kind.as_str(), |_| "ok");
-            self.metrics.call(Family::ModelRequests, Family::ModelRequestDuration, labels, outcome, started.elapsed());
-            let reply = reply?;
+            let reply = self.call_model(agent, ctx, turn, &request).await?;
             drop(request);
-            debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), elapsed_ms = started.elapsed().as_millis() as u64, "model replied");
+            debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), "model replied");
             usage += reply.usage;
             self.tracer
                 .emit(
@@ -331,6 +307,57 @@ impl Runtime {
             turns: agent.def.max_turns,
             usage,
         })
+    }
+
+    /// One model request (after the hooks). Streamed text reaches the client
+    /// as it arrives; the request ends by the query's deadline at the latest
+    /// (DEADLINE_EXCEEDED), and is counted however it ends.
+    async fn call_model(
+        &self,
+        agent: &AgentRuntime,
+        ctx: &RunCtx,
+        turn: u32,
+        request: &ModelRequest,
+    ) -> Result<AssistantReply, AgentError> {
+        let labels = vec![("agent", agent.def.name.clone()), ("provider", agent.def.model.provider().to_owned())];
+        let record = self.metrics.start_call(Family::ModelRequests, Family::ModelRequestDuration, labels, ctx.deadline);
+        let mctx = ModelContext {
+            agent: agent.def.name.clone(),
+            query_id: ctx.query_id.clone(),
+            turn,
+            deadline: ctx.deadline,
+        };
+        // The sink is inactive for delegated runs (no client to see it).
+        let (delta_tx, mut delta_rx) = mpsc::unbounded_channel();
+        let sink = if ctx.events.is_some() {
+            DeltaSink::new(delta_tx)
+        } else {
+            // No sender may outlive the model call, or `forward` never ends.
+            drop(delta_tx);
+            DeltaSink::default()
+        };
+        let complete = agent.model.complete(request, &mctx, sink);
+        let forward = async {
+            while let Some(text) = delta_rx.recv().await {
+                ctx.send(Event::TextDelta { turn, text }).await;
+            }
+        };
+        // On the deadline the record is dropped unfinished: counted as such.
+        let (reply, ()) = tokio::time::timeout_at(ctx.deadline, async { tokio::join!(complete, forward) })
+            .await
+            .map_err(|_| AgentError::DeadlineExceeded)?;
+        match reply {
+            // The model gave up as the query's deadline passed.
+            Err(_) if Instant::now() >= ctx.deadline => Err(AgentError::DeadlineExceeded),
+            Err(e) => {
+                record.finish(e.kind.as_str());
+                Err(e.into())
+            }
+            Ok(reply) => {
+                record.finish("ok");
+                Ok(reply)
+            }
+        }
     }
 
     /// Runs one reply's tool calls (up to `parallel_tool_calls` at once) and

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use lattice_proto::agent::v1::{Usage, query_event::Event};
 use lattice_tests::{
-    Lattice, cfg,
+    Lattice, QueryOpts, cfg,
     fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnRequest, OnResult},
     tool::{ToolDef, ToolServer},
@@ -301,6 +301,55 @@ async fn a_429_is_retried_after_retry_after() {
             "{p:?}: waited {waited:?}"
         );
     }
+}
+
+/// A retry never waits past the query's deadline: a 429 asking for 2 s
+/// when the query has 800 ms left fails at once, naming the provider and
+/// why it was not retried, instead of sleeping into the deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_retry_waits_past_the_query_deadline() {
+    for p in [P::Anthropic, P::OpenAi] {
+        let limited = Reply::Body {
+            status: 429,
+            body: json!({"error": {"type": "rate_limit_error"}}).to_string(),
+            headers: vec![("retry-after".into(), "2".into())],
+        };
+        let api = FakeApi::start(vec![limited]).await;
+        let lattice = spawn(&agent(p, &api.url, "stream = false")).await;
+        let out = lattice
+            .query_with(QueryOpts {
+                agent: "m".into(),
+                prompt: "hi".into(),
+                timeout: Some(Duration::from_millis(800)),
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(out.code(), Code::Unavailable, "{p:?}: {:?}", out.status);
+        let message = out.status.as_ref().unwrap().message().to_owned();
+        assert!(message.contains("HTTP 429") && message.contains("no time left to retry"), "{message}");
+        assert!(out.elapsed < Duration::from_millis(500), "{p:?}: took {:?}", out.elapsed);
+        assert_eq!(api.received().len(), 1);
+    }
+}
+
+/// A model request cut by the query's deadline is still counted, with
+/// outcome `deadline` (and one the client cancels, `cancelled`).
+#[tokio::test(flavor = "multi_thread")]
+async fn model_requests_cut_short_are_counted() {
+    let api = FakeApi::start(vec![]).await;
+    *api.fallback.lock().unwrap() = Reply::Hang(String::new());
+    let lattice = spawn(&agent(P::Anthropic, &api.url, "stream = true")).await;
+    let out = lattice
+        .query_with(QueryOpts {
+            agent: "m".into(),
+            prompt: "hi".into(),
+            timeout: Some(Duration::from_millis(300)),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(out.code(), Code::DeadlineExceeded, "{:?}", out.status);
+    let series = r#"lattice_model_requests_total{agent="m",provider="anthropic",outcome="deadline"}"#;
+    assert_eq!(lattice_tests::sample(&lattice.metrics().await, series), Some(1.0));
 }
 
 /// 500s are retried with backoff until the request deadline; the query then

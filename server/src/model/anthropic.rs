@@ -247,9 +247,9 @@ impl Model for Anthropic {
     async fn complete(
         &self,
         request: &ModelRequest,
-        _ctx: &ModelContext,
+        ctx: &ModelContext,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
-        self.0.execute(self, &body(&self.0, request), &deltas).await
+        self.0.execute(self, &body(&self.0, request), ctx.deadline, &deltas).await
     }
 }

@@ -93,14 +93,16 @@ impl HttpModel {
     }
 
     /// Sends `body` until it succeeds, fails for good, runs out of retries,
-    /// or would pass the deadline.
+    /// or would pass the deadline: `min(the model's deadline, the query's)`.
+    /// Every attempt is cut at that deadline, and no retry waits past it.
     pub(super) async fn execute(
         &self,
         wire: &dyn Wire,
         body: &Value,
+        query_deadline: Instant,
         deltas: &DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
-        let deadline = Instant::now() + self.cfg.deadline;
+        let deadline = (Instant::now() + self.cfg.deadline).min(query_deadline);
         let mut retries = 0;
         let mut delivered = false;
         loop {
@@ -115,8 +117,9 @@ impl HttpModel {
             let outcome = match tokio::time::timeout_at(deadline, attempt).await {
                 Ok(outcome) => outcome,
                 Err(_) => {
-                    let ms = self.cfg.deadline.as_millis();
-                    return Err(self.error(ModelErrorKind::Unavailable, format!("no complete answer within {ms} ms")));
+                    return Err(
+                        self.error(ModelErrorKind::Unavailable, "no complete answer within the deadline".into())
+                    );
                 }
             };
             let (message, retry_after) = match outcome {
@@ -143,26 +146,34 @@ impl HttpModel {
                     self.error(ModelErrorKind::Unavailable, format!("{message} (gave up after {retries} retries)"))
                 );
             }
-            let wait = match retry_after {
-                Some(w) if w > MAX_RETRY_AFTER => {
-                    return Err(self.error(
-                        ModelErrorKind::Unavailable,
-                        format!("{message} (retry-after {} s is too long)", w.as_secs()),
-                    ));
-                }
-                Some(w) => w,
-                None => backoff(retries),
-            };
-            if Instant::now() + wait >= deadline {
-                let ms = self.cfg.deadline.as_millis();
-                return Err(self
-                    .error(ModelErrorKind::Unavailable, format!("{message} (no time left to retry within {ms} ms)")));
-            }
+            let wait = retry_wait(Instant::now(), deadline, retry_after, retries)
+                .map_err(|why| self.error(ModelErrorKind::Unavailable, format!("{message} ({why})")))?;
             warn!(provider = self.cfg.provider.as_str(), retry = retries + 1, wait_ms = wait.as_millis() as u64, reason = %message, "model request failed; retrying");
             tokio::time::sleep(wait).await;
             retries += 1;
         }
     }
+}
+
+/// How long to wait before retry number `retries + 1`: the server's
+/// `retry-after`, or the backoff. An error when that wait would not end
+/// before `deadline` (nothing could be tried after it), or when the server
+/// asks for longer than [`MAX_RETRY_AFTER`].
+fn retry_wait(
+    now: Instant,
+    deadline: Instant,
+    retry_after: Option<Duration>,
+    retries: u32,
+) -> Result<Duration, String> {
+    let wait = match retry_after {
+        Some(w) if w > MAX_RETRY_AFTER => return Err(format!("retry-after {} s is too long", w.as_secs())),
+        Some(w) => w,
+        None => backoff(retries),
+    };
+    if now + wait >= deadline {
+        return Err("no time left to retry within the deadline".into());
+    }
+    Ok(wait)
 }
 
 /// 0.5 s, 1 s, 2 s … capped at 8 s, each scaled by a random 50-100 %.
@@ -224,5 +235,25 @@ pub(super) fn tool_input(raw: &str) -> Result<serde_json::Map<String, Value>, Fa
     match serde_json::from_str(raw) {
         Ok(Value::Object(o)) => Ok(o),
         _ => Err(Failure::invalid("a tool call's input is not a JSON object")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A retry waits for the server's retry-after, or the backoff, only if
+    /// the wait ends before the deadline (the query's, when it is earlier).
+    #[tokio::test(start_paused = true)]
+    async fn no_retry_waits_past_the_deadline() {
+        let now = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(retry_wait(now, now + s(5), Some(s(1)), 0), Ok(s(1)));
+        assert!(retry_wait(now, now + s(1), Some(s(1)), 0).is_err());
+        assert!(retry_wait(now, now + s(3600), Some(s(61)), 0).unwrap_err().contains("too long"));
+        // The backoff (at most 8 s) is held to the same rule.
+        assert!(retry_wait(now, now + Duration::from_millis(200), None, 4).is_err());
+        let backoff = retry_wait(now, now + s(60), None, 1).unwrap();
+        assert!(backoff >= Duration::from_millis(500) && backoff <= s(1), "{backoff:?}");
     }
 }

@@ -28,6 +28,8 @@ pub struct ModelContext {
     pub query_id: String,
     /// 1-based turn.
     pub turn: u32,
+    /// The query's deadline: no attempt or retry wait goes past it.
+    pub deadline: tokio::time::Instant,
 }
 
 /// Why a model request failed. The message never carries request content,
