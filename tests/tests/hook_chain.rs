@@ -537,18 +537,24 @@ async fn metrics_count_queries_hook_calls_and_tool_calls() {
     // (sequential) never runs.
     hook.state.behaviour.lock().unwrap().fail = Some(Code::PermissionDenied);
     lattice.query("x", "go").await.hook_failure();
+    // An invalid reply is a failure like any other: counted, and logged.
+    hook.state.set(Behaviour { on_result: OnResult::WrongId, ..Default::default() });
+    assert_eq!(lattice.query("x", "go").await.hook_failure()["kind"], "invalid_reply");
+    let logs = lattice_tests::logs();
+    assert!(logs.lines().any(|l| l.contains("hook failed") && l.contains("invalid_reply")), "no log line");
 
     let m = lattice.metrics().await;
     for (series, expected) in [
         (r#"lattice_queries_total{agent="x",code="OK"}"#, 1.0),
-        (r#"lattice_queries_total{agent="x",code="ABORTED"}"#, 1.0),
+        (r#"lattice_queries_total{agent="x",code="ABORTED"}"#, 2.0),
         (r#"lattice_hook_calls_total{agent="x",hook="h",event="tool_result",outcome="ok"}"#, 2.0),
         (r#"lattice_hook_calls_total{agent="x",hook="h",event="tool_result",outcome="status"}"#, 1.0),
-        (r#"lattice_hook_call_duration_seconds_count{agent="x",hook="h",event="tool_result"}"#, 3.0),
-        (r#"lattice_tool_calls_total{agent="x",tool="t",outcome="executed"}"#, 2.0),
+        (r#"lattice_hook_calls_total{agent="x",hook="h",event="tool_result",outcome="invalid_reply"}"#, 1.0),
+        (r#"lattice_hook_call_duration_seconds_count{agent="x",hook="h",event="tool_result"}"#, 4.0),
+        (r#"lattice_tool_calls_total{agent="x",tool="t",outcome="executed"}"#, 3.0),
         (r#"lattice_tool_calls_total{agent="x",tool="(unknown)",outcome="blocked"}"#, 1.0),
-        (r#"lattice_model_requests_total{agent="x",provider="scripted",outcome="ok"}"#, 3.0),
-        (r#"lattice_query_duration_seconds_count{agent="x"}"#, 2.0),
+        (r#"lattice_model_requests_total{agent="x",provider="scripted",outcome="ok"}"#, 4.0),
+        (r#"lattice_query_duration_seconds_count{agent="x"}"#, 3.0),
         ("lattice_queries_in_flight", 0.0),
     ] {
         assert_eq!(sample(&m, series), Some(expected), "{series} in:\n{m}");
