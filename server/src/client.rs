@@ -48,14 +48,67 @@ fn block_text(b: &pb::ContentBlock, indent: &str) -> String {
     }
 }
 
-/// Runs the query, printing each event to `out`. Returns the final status:
-/// `Ok` after a final result, `Err` with the printed error otherwise.
-pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<(), tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(args.addr.clone())
-        .map_err(|e| tonic::Status::invalid_argument(format!("bad address {:?}: {e}", args.addr)))?
-        .connect()
-        .await
-        .map_err(|e| tonic::Status::unavailable(format!("cannot connect to {}: {e}", args.addr)))?;
+/// Why `lattice query` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    /// The server could not be reached; nothing was sent.
+    #[error("cannot reach {addr}: {reason}\nhint: {hint}")]
+    Connect {
+        /// The address as given.
+        addr: String,
+        /// What went wrong (from the local connection attempt).
+        reason: String,
+        /// What to check.
+        hint: &'static str,
+    },
+    /// The query ended with an error status (already printed).
+    #[error("{}: {}", crate::status::code_name(.0.code()), .0.message())]
+    Status(tonic::Status),
+}
+
+/// How long `lattice query` tries to connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connects to `addr`, or says why not and what to check.
+async fn connect(addr: &str) -> Result<tonic::transport::Channel, QueryError> {
+    let fail = |reason: String, hint| QueryError::Connect { addr: addr.to_owned(), reason, hint };
+    if !addr.contains("://") {
+        return Err(fail(
+            "the address has no scheme".into(),
+            "write it as a URL, e.g. http://127.0.0.1:50051 (or https:// behind a TLS proxy)",
+        ));
+    }
+    let endpoint = tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .map_err(|e| fail(e.to_string(), "write the address as a URL, e.g. http://127.0.0.1:50051"))?
+        .connect_timeout(CONNECT_TIMEOUT);
+    endpoint.connect().await.map_err(|e| {
+        let reason = error_chain(&e);
+        let hint = if reason.contains("dns error") || reason.contains("failed to lookup") {
+            "the host name does not resolve: check --addr"
+        } else {
+            "is `lattice serve` running and listening there? (see --listen / server.listen)"
+        };
+        fail(reason, hint)
+    })
+}
+
+/// An error and its sources, "a: b: c".
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Runs the query, printing each event to `out`. Returns `Ok` after a
+/// final result; an error status is printed to `out` and returned; a
+/// connection failure is returned unprinted.
+pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<(), QueryError> {
+    let channel = connect(&args.addr).await?;
     let mut client = AgentServiceClient::new(channel);
     let mut request = tonic::Request::new(pb::QueryRequest {
         agent: args.agent,
@@ -68,7 +121,7 @@ pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<
         Ok(r) => r.into_inner(),
         Err(s) => {
             print_status(out, &s);
-            return Err(s);
+            return Err(QueryError::Status(s));
         }
     };
     loop {
@@ -76,7 +129,7 @@ pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<
             None => return Ok(()),
             Some(Err(s)) => {
                 print_status(out, &s);
-                return Err(s);
+                return Err(QueryError::Status(s));
             }
             Some(Ok(ev)) => {
                 let mut line = String::new();
@@ -147,7 +200,7 @@ pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<
 }
 
 fn print_status(out: &mut (dyn Write + Send), s: &tonic::Status) {
-    let _ = writeln!(out, "✘ {:?}: {}", s.code(), s.message());
+    let _ = writeln!(out, "✘ {}: {}", crate::status::code_name(s.code()), s.message());
     if let Some(info) = s.get_details_error_info() {
         let mut meta: Vec<_> = info.metadata.iter().collect();
         meta.sort();

@@ -134,7 +134,12 @@ async fn main() -> ExitCode {
             let mut out = std::io::stdout();
             match client::run_query(args, &mut out).await {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(_) => ExitCode::FAILURE,
+                // The status was printed with the event stream.
+                Err(client::QueryError::Status(_)) => ExitCode::FAILURE,
+                Err(e) => {
+                    eprintln!("lattice query: {e}");
+                    ExitCode::FAILURE
+                }
             }
         }
         Command::ExampleTools { listen } => {

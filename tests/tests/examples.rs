@@ -133,7 +133,24 @@ async fn the_cli_queries_and_checks_configs() {
         .await
         .unwrap();
     assert!(!failed.status.success());
-    assert!(String::from_utf8_lossy(&failed.stdout).contains("✘ NotFound"));
+    assert!(String::from_utf8_lossy(&failed.stdout).contains("✘ NOT_FOUND"));
+
+    // A server it cannot reach: said on stderr, with a hint.
+    let dead = lattice_tests::dead_url().await;
+    for (addr, expected) in [
+        (dead.as_str(), "lattice serve"),
+        (dead.trim_start_matches("http://"), "http://127.0.0.1:50051"),
+        ("http://", "URL"),
+    ] {
+        let failed = tokio::process::Command::new(workspace_binary("lattice"))
+            .args(["query", "--addr", addr, "--agent", "support", "hi"])
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&failed.stderr);
+        assert_eq!(failed.status.code(), Some(1), "{addr}: {stderr}");
+        assert!(stderr.contains("lattice query: cannot reach") && stderr.contains(expected), "{addr}: {stderr}");
+    }
 
     let shipped_dirs = [workspace_root().join("deploy/examples"), workspace_root().join("deploy/k8s")];
     for shipped in shipped_dirs.iter().flat_map(|d| std::fs::read_dir(d).unwrap().flatten()) {
