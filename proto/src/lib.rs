@@ -4,9 +4,14 @@
 //! - [`hooks::v1`]: `lattice.hooks.v1.HookService`, implemented by hook services.
 //! - [`tools::v1`]: `lattice.tools.v1.ToolService`, implemented by tool services.
 //!
+//! [`codec`] is the services' codec: prost's, with a request that does not
+//! decode answered INVALID_ARGUMENT.
+//!
 //! [`FILE_DESCRIPTOR_SET`] holds the encoded descriptors of all three, for
 //! server reflection.
 #![allow(missing_docs, clippy::doc_lazy_continuation, clippy::large_enum_variant)]
+
+pub mod codec;
 
 /// `lattice.agent.*`
 pub mod agent {

@@ -373,6 +373,109 @@ async fn bad_input_is_refused_clearly() {
     assert_eq!(missing.code(), Code::NotFound);
 }
 
+/// Passes bytes through as they are: a client that sends whatever it likes.
+#[derive(Default)]
+struct RawCodec;
+
+struct Raw;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, buf: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(buf, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let n = bytes::Buf::remaining(buf);
+        Ok(Some(bytes::Buf::copy_to_bytes(buf, n).to_vec()))
+    }
+}
+
+/// A request that does not decode is the client's error: INVALID_ARGUMENT
+/// naming the type, never INTERNAL, and never repeating the bytes. Random
+/// payloads either fail that way or decode into a request that is refused
+/// for what it says.
+#[tokio::test(flavor = "multi_thread")]
+async fn undecodable_requests_are_invalid_arguments() {
+    let lattice = Lattice::start(&(cfg::agent("a", "") + &cfg::turn("hi", &[]))).await;
+    let channel = tonic::transport::Endpoint::from_shared(lattice.url.clone()).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/lattice.agent.v1.AgentService/Query");
+    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut invalid = 0;
+    for i in 0..200 {
+        // The first payload is a known bad one: field 1 (agent, a string)
+        // sent as a varint.
+        let payload: Vec<u8> =
+            if i == 0 { vec![0x08, 0x96, 0x01] } else { (0..1 + next() % 64).map(|_| next() as u8).collect() };
+        grpc.ready().await.unwrap();
+        let status = match grpc.server_streaming(tonic::Request::new(payload), path.clone(), RawCodec).await {
+            Err(status) => status,
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(_)) => continue,
+                        Ok(None) => panic!("payload {i} ran a query to the end"),
+                        Err(s) => break s,
+                    }
+                }
+            }
+        };
+        match status.code() {
+            Code::InvalidArgument => {
+                assert_eq!(status.message(), "the request does not decode as lattice.agent.v1.QueryRequest");
+                invalid += 1;
+            }
+            Code::NotFound => assert!(i > 0, "the known bad payload decoded"),
+            other => panic!("payload {i}: {other:?} {}", status.message()),
+        }
+    }
+    assert!(invalid >= 150, "only {invalid} of 200 random payloads failed to decode");
+}
+
+/// Client input repeated in an error is cut short: a 100 kB agent name
+/// gets NOT_FOUND with a short message (a long one would be refused by the
+/// client as a header too large).
+#[tokio::test(flavor = "multi_thread")]
+async fn errors_repeat_client_input_briefly() {
+    let lattice = Lattice::start(&(cfg::agent("a", "") + &cfg::turn("hi", &[]))).await;
+    let name = "a".repeat(100_000);
+    let out = lattice.query(&name, "hi").await;
+    assert_eq!(out.code(), Code::NotFound, "{:?}", out.status);
+    let message = out.status.unwrap().message().to_owned();
+    assert!(message.len() < 200 && message.contains("aaaa") && message.contains("100000 bytes"), "{message}");
+    let mut client = lattice.client().await;
+    let missing = client.get_agent(pb::GetAgentRequest { name }).await.unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+    assert!(missing.message().len() < 200);
+}
+
 /// An invalid config is refused with every problem listed, each with its
 /// line and field.
 #[tokio::test(flavor = "multi_thread")]

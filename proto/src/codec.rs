@@ -1,0 +1,113 @@
+//! The codec of every Lattice service: prost's, except that a **request**
+//! that does not decode is the caller's error.
+//!
+//! tonic's prost codec answers any message that does not decode with
+//! INTERNAL, as if the server had failed. A request that isn't a valid
+//! `QueryRequest` (or any other request of the contract) is the client's
+//! mistake, so the server answers INVALID_ARGUMENT, naming the type and
+//! never repeating the bytes. A reply that does not decode stays INTERNAL.
+//! Which messages are requests is said here, per type: the list must name
+//! every message a service of the contract receives or returns, or the
+//! generated code does not compile.
+
+use std::marker::PhantomData;
+
+use prost::Message;
+use tonic::{
+    Status,
+    codec::{BufferSettings, Codec, DecodeBuf, Decoder},
+};
+use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+
+/// A message of the contract that a service receives or returns.
+pub trait Payload {
+    /// The message's full proto name.
+    const NAME: &'static str;
+    /// Whether it is a request (a client sends it, a server decodes it).
+    const REQUEST: bool;
+}
+
+/// The generated services' codec (see the module docs).
+#[derive(Debug, Clone)]
+pub struct LatticeCodec<T, U>(PhantomData<(T, U)>);
+
+impl<T, U> Default for LatticeCodec<T, U> {
+    fn default() -> Self {
+        Self(PhantomData)
+    }
+}
+
+impl<T, U> Codec for LatticeCodec<T, U>
+where
+    T: Message + Send + 'static,
+    U: Message + Default + Payload + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = ProstEncoder<T>;
+    type Decoder = PayloadDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        ProstCodec::<T, U>::raw_encoder(BufferSettings::default())
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        PayloadDecoder(ProstCodec::<T, U>::raw_decoder(BufferSettings::default()))
+    }
+}
+
+/// prost's decoder, with a request's decode error made INVALID_ARGUMENT.
+#[derive(Debug)]
+pub struct PayloadDecoder<U>(ProstDecoder<U>);
+
+impl<U: Message + Default + Payload> Decoder for PayloadDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        self.0.decode(buf).map_err(|status| {
+            if U::REQUEST {
+                Status::invalid_argument(format!("the request does not decode as {}", U::NAME))
+            } else {
+                status
+            }
+        })
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
+    }
+}
+
+macro_rules! payloads {
+    ($request:literal: $($ty:path => $name:literal),* $(,)?) => {
+        $(impl Payload for $ty {
+            const NAME: &'static str = $name;
+            const REQUEST: bool = $request;
+        })*
+    };
+}
+
+payloads!(true:
+    crate::agent::v1::QueryRequest => "lattice.agent.v1.QueryRequest",
+    crate::agent::v1::ListAgentsRequest => "lattice.agent.v1.ListAgentsRequest",
+    crate::agent::v1::GetAgentRequest => "lattice.agent.v1.GetAgentRequest",
+    crate::agent::v1::GetSessionRequest => "lattice.agent.v1.GetSessionRequest",
+    crate::agent::v1::DeleteSessionRequest => "lattice.agent.v1.DeleteSessionRequest",
+    crate::hooks::v1::OnToolResultRequest => "lattice.hooks.v1.OnToolResultRequest",
+    crate::hooks::v1::OnModelRequestRequest => "lattice.hooks.v1.OnModelRequestRequest",
+    crate::tools::v1::ListToolsRequest => "lattice.tools.v1.ListToolsRequest",
+    crate::tools::v1::CallToolRequest => "lattice.tools.v1.CallToolRequest",
+);
+
+payloads!(false:
+    crate::agent::v1::QueryEvent => "lattice.agent.v1.QueryEvent",
+    crate::agent::v1::ListAgentsResponse => "lattice.agent.v1.ListAgentsResponse",
+    crate::agent::v1::Agent => "lattice.agent.v1.Agent",
+    crate::agent::v1::Session => "lattice.agent.v1.Session",
+    crate::agent::v1::DeleteSessionResponse => "lattice.agent.v1.DeleteSessionResponse",
+    crate::hooks::v1::OnToolResultResponse => "lattice.hooks.v1.OnToolResultResponse",
+    crate::hooks::v1::OnModelRequestResponse => "lattice.hooks.v1.OnModelRequestResponse",
+    crate::tools::v1::ListToolsResponse => "lattice.tools.v1.ListToolsResponse",
+    crate::tools::v1::CallToolResponse => "lattice.tools.v1.CallToolResponse",
+);
