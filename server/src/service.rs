@@ -165,7 +165,7 @@ impl AgentService for AgentSvc {
             .runtime
             .agent(&req.agent)
             .cloned()
-            .ok_or_else(|| Status::not_found(format!("no agent named {:?}", req.agent)))?;
+            .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&req.agent))))?;
         if req.prompt.trim().is_empty() {
             return Err(Status::invalid_argument("prompt must not be empty"));
         }
@@ -282,7 +282,10 @@ impl AgentService for AgentSvc {
 
     async fn get_agent(&self, request: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
         let name = request.into_inner().name;
-        let agent = self.runtime.agent(&name).ok_or_else(|| Status::not_found(format!("no agent named {name:?}")))?;
+        let agent = self
+            .runtime
+            .agent(&name)
+            .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&name))))?;
         Ok(Response::new(agent_to_pb(agent)))
     }
 

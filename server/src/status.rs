@@ -45,6 +45,19 @@ pub fn code_name(code: Code) -> &'static str {
     }
 }
 
+/// The most characters of client input an error message repeats.
+const ECHO_CHARS: usize = 64;
+
+/// Client input for an error message: quoted, and cut to [`ECHO_CHARS`]
+/// characters (a status message rides in an HTTP/2 header, which clients
+/// refuse past a few kilobytes).
+pub fn echo(input: &str) -> String {
+    match input.char_indices().nth(ECHO_CHARS) {
+        None => format!("{input:?}"),
+        Some((cut, _)) => format!("{:?}… ({} bytes)", &input[..cut], input.len()),
+    }
+}
+
 /// The status a failed query ends with.
 pub fn agent_error(e: &AgentError) -> Status {
     match e {
@@ -97,6 +110,15 @@ pub fn store_error(e: &StoreError) -> Status {
 mod tests {
     use super::*;
     use crate::hooks::HookEvent;
+
+    #[test]
+    fn echoed_input_is_quoted_and_bounded() {
+        assert_eq!(echo("support"), "\"support\"");
+        let long = "é".repeat(10_000);
+        let echoed = echo(&long);
+        assert!(echoed.chars().count() < 100, "{echoed}");
+        assert!(echoed.ends_with("… (20000 bytes)"), "{echoed}");
+    }
 
     #[test]
     fn hook_errors_abort_with_error_info() {
