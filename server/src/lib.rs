@@ -12,6 +12,7 @@
 //! - [`model`]: the model trait and its providers.
 //! - [`session`]: stored conversations and the one-query-per-session lease.
 //! - [`trace`]: post-hook trace events.
+//! - [`health`]: `grpc.health.v1.Health`, whose watch streams end on drain.
 //! - [`metrics`]: Prometheus metrics at `GET /metrics` on the same port.
 //! - [`logging`]: the log subscriber; transport crates never log peer bytes.
 //! - [`service`], [`status`]: the gRPC service and its one status mapping.
@@ -26,6 +27,7 @@ pub mod config;
 pub mod convert;
 pub mod domain;
 pub mod example_tools;
+pub mod health;
 pub mod hooks;
 pub mod logging;
 pub mod metrics;
@@ -73,7 +75,10 @@ pub async fn run(
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
-    let (health, health_svc) = tonic_health::server::health_reporter();
+    let (health, _) = tonic_health::server::health_reporter();
+    let draining = tokio_util::sync::CancellationToken::new();
+    let health_svc =
+        tonic_health::pb::health_server::HealthServer::new(health::Draining::new(health.clone(), draining.clone()));
     health.set_serving::<AgentServiceServer<AgentSvc>>().await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
 
@@ -95,6 +100,8 @@ pub async fn run(
         health.set_not_serving::<AgentServiceServer<AgentSvc>>().await;
         // The overall status ("") is what Kubernetes' grpc probes check by default.
         health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        // Open watch streams would hold the connections, and so the drain.
+        draining.cancel();
     };
     let mut grpc = tonic::service::Routes::builder();
     grpc.add_service(health_svc).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);

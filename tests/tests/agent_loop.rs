@@ -373,6 +373,27 @@ async fn bad_input_is_refused_clearly() {
     assert_eq!(missing.code(), Code::NotFound);
 }
 
+/// A client watching health does not hold up shutdown: as draining starts
+/// its watch stream says NOT_SERVING and ends, and the server stops at once
+/// (it used to wait until the watching client went away).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_health_watch_does_not_delay_shutdown() {
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    let lattice = Lattice::start(&(cfg::agent("a", "") + &cfg::turn("hi", &[]))).await;
+    let channel = tonic::transport::Endpoint::from_shared(lattice.url.clone()).unwrap().connect().await.unwrap();
+    let mut watch =
+        HealthClient::new(channel).watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+    assert_eq!(watch.message().await.unwrap().unwrap().status, ServingStatus::Serving as i32);
+    let started = std::time::Instant::now();
+    lattice.stop().await; // waits at most 5 s for the server to stop
+    assert!(started.elapsed() < Duration::from_secs(2), "shutdown took {:?}", started.elapsed());
+    let mut last = None;
+    while let Ok(Some(m)) = watch.message().await {
+        last = Some(m.status);
+    }
+    assert_eq!(last, Some(ServingStatus::NotServing as i32));
+}
+
 /// Passes bytes through as they are: a client that sends whatever it likes.
 #[derive(Default)]
 struct RawCodec;
