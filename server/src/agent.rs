@@ -80,6 +80,17 @@ pub enum AgentError {
     /// The client went away.
     #[error("the client cancelled the query")]
     Cancelled,
+    /// An event of the query is larger than one message to the client may
+    /// be: the query fails rather than send part of its output.
+    #[error("the query's {event} event ({bytes} bytes) exceeds the message limit ({limit} bytes)")]
+    EventTooLarge {
+        /// Which event (`assistant`, `tool_result`, `model_request` …).
+        event: &'static str,
+        /// Its encoded size.
+        bytes: usize,
+        /// `server.max_message_bytes`.
+        limit: usize,
+    },
 }
 
 impl From<ChainError> for AgentError {
@@ -542,7 +553,8 @@ impl Runtime {
             Err(AgentError::Model(e)) => {
                 Ok(fail(K::Delegation, format!("agent {target:?} failed: {e}"), CallOutcome::Failed))
             }
-            Err(AgentError::Cancelled) => Err(AgentError::Cancelled),
+            // A delegated run streams no events; passed on all the same.
+            Err(e @ (AgentError::Cancelled | AgentError::EventTooLarge { .. })) => Err(e),
         }
     }
 }

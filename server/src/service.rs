@@ -103,6 +103,25 @@ fn event_to_pb(e: Event) -> PbEvent {
     }
 }
 
+/// `event`, unless its encoded size is over `limit` (what the client may be
+/// sent in one message).
+fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
+    let name = match &event {
+        PbEvent::Started(_) => "started",
+        PbEvent::ModelRequest(_) => "model_request",
+        PbEvent::Assistant(_) => "assistant",
+        PbEvent::ToolResult(_) => "tool_result",
+        PbEvent::Result(_) => "result",
+        PbEvent::TextDelta(_) => "text_delta",
+    };
+    let event = pb::QueryEvent { event: Some(event) };
+    let bytes = prost::Message::encoded_len(&event);
+    match event.event {
+        Some(event) if bytes <= limit => Ok(event),
+        _ => Err(AgentError::EventTooLarge { event: name, bytes, limit }),
+    }
+}
+
 fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
     let d = &a.def;
     pb::Agent {
@@ -209,22 +228,47 @@ impl AgentService for AgentSvc {
             let run = runtime.run(&agent, &ctx, history, req.prompt);
             // Events are forwarded while the loop runs; the loop future and
             // everything in flight under it are dropped on cancel/deadline.
+            // An event too large for the client fails the query (before
+            // anything is committed) instead of breaking the stream.
+            let limit = runtime.settings.max_message_bytes;
             let forward = async {
                 while let Some(e) = ev_rx.recv().await {
-                    if out_tx.send(Out::Event(event_to_pb(e))).await.is_err() {
-                        break;
+                    let event = sized(event_to_pb(e), limit)?;
+                    if out_tx.send(Out::Event(event)).await.is_err() {
+                        return Err(AgentError::Cancelled);
                     }
                 }
+                Ok(())
             };
             let mut forward = std::pin::pin!(forward);
             let began = Instant::now();
+            let mut forwarded = None;
             let outcome = tokio::select! {
                 r = tokio::time::timeout_at(deadline + DEADLINE_GRACE, run) => r.unwrap_or(Err(AgentError::DeadlineExceeded)),
                 _ = out_tx.closed() => Err(AgentError::Cancelled),
-                () = &mut forward => Err(AgentError::Cancelled),
+                f = &mut forward => {
+                    // Only a failure ends it while the loop still holds a sender.
+                    let e = f.err().unwrap_or(AgentError::Cancelled);
+                    forwarded = Some(Err(AgentError::Cancelled));
+                    Err(e)
+                }
             };
             drop(ctx); // the last event sender: lets `forward` finish
-            forward.await; // flush events sent before the outcome
+            // Flush events sent before the outcome; any of them may fail it.
+            let flushed = match forwarded {
+                Some(done) => done,
+                None => forward.await,
+            };
+            // The final result is built and checked before the commit too.
+            let outcome = outcome.and_then(|out| flushed.map(|()| out)).and_then(|out| {
+                let result = pb::FinalResult {
+                    text: out.text.clone(),
+                    stop_reason: pb::StopReason::from(out.stop_reason) as i32,
+                    turns: out.turns,
+                    usage: Some(out.usage.into()),
+                };
+                Ok((out, sized(PbEvent::Result(result), limit)?))
+            });
             let elapsed_ms = began.elapsed().as_millis() as u64;
             let failure = outcome.as_ref().err().map(status::agent_error);
             let code = failure.as_ref().map_or(tonic::Code::Ok, Status::code);
@@ -235,7 +279,7 @@ impl AgentService for AgentSvc {
                 vec![("agent", agent.def.name.clone()), ("code", status::code_name(code).into())],
             );
             match outcome {
-                Ok(out) => {
+                Ok((out, result)) => {
                     let (text, stop_reason, turns, usage) = (out.text, out.stop_reason, out.turns, out.usage);
                     // Committed, and the session released, before the client
                     // sees the result: its next query finds the session free.
@@ -248,13 +292,7 @@ impl AgentService for AgentSvc {
                         elapsed_ms,
                         "query succeeded"
                     );
-                    let result = pb::FinalResult {
-                        text,
-                        stop_reason: pb::StopReason::from(stop_reason) as i32,
-                        turns,
-                        usage: Some(usage.into()),
-                    };
-                    let _ = out_tx.send(Out::Event(PbEvent::Result(result))).await;
+                    let _ = out_tx.send(Out::Event(result)).await;
                 }
                 Err(e) => {
                     drop(lease);

@@ -65,6 +65,9 @@ pub fn agent_error(e: &AgentError) -> Status {
         AgentError::Model(m) => model_error(m),
         AgentError::DeadlineExceeded => Status::deadline_exceeded("the query's deadline passed"),
         AgentError::Cancelled => Status::cancelled("the query was cancelled"),
+        AgentError::EventTooLarge { .. } => Status::resource_exhausted(format!(
+            "{e}; nothing was stored (raise server.max_message_bytes, or query without include_model_requests)"
+        )),
     }
 }
 

@@ -245,7 +245,7 @@ impl Lattice {
             agent: opts.agent,
             session_id: opts.session,
             prompt: opts.prompt,
-            include_model_requests: true,
+            include_model_requests: !opts.no_model_requests,
         });
         if let Some(t) = opts.timeout {
             // Sent as a header only, so that the client sees Lattice's own
@@ -321,6 +321,8 @@ pub struct QueryOpts {
     pub session: Option<String>,
     /// grpc-timeout to send.
     pub timeout: Option<Duration>,
+    /// Don't ask for model_request events (they repeat the conversation).
+    pub no_model_requests: bool,
 }
 
 /// A finished query.

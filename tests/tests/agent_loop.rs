@@ -292,6 +292,7 @@ async fn a_failed_query_leaves_the_history_unchanged() {
             prompt: "second".into(),
             session: Some(sid.clone()),
             timeout: Some(Duration::from_millis(300)),
+            ..Default::default()
         })
         .await;
     assert_eq!(failed.code(), Code::DeadlineExceeded);
@@ -392,6 +393,40 @@ async fn an_open_health_watch_does_not_delay_shutdown() {
         last = Some(m.status);
     }
     assert_eq!(last, Some(ServingStatus::NotServing as i32));
+}
+
+/// A reply larger than one message to the client may be fails the query
+/// with RESOURCE_EXHAUSTED naming the event, and nothing is stored: a new
+/// session is not created, a continued one keeps its history, and both stay
+/// readable. (It used to be committed, then GetSession failed for good.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_too_large_for_the_client_is_not_committed() {
+    let config = "[server]\nmax_message_bytes = 1048576\n".to_owned()
+        + &cfg::agent("echo", "")
+        + &cfg::turn("{{last_user_text}}{{last_user_text}}", &[]);
+    let lattice = Lattice::start(&config).await;
+    let big = |session: Option<String>| QueryOpts {
+        agent: "echo".into(),
+        prompt: "x".repeat(768 * 1024),
+        session,
+        no_model_requests: true,
+        ..Default::default()
+    };
+    let out = lattice.query_with(big(None)).await;
+    assert_eq!(out.code(), Code::ResourceExhausted, "{:?}", out.status);
+    assert!(out.status.as_ref().unwrap().message().contains("assistant event"), "{:?}", out.status);
+    assert!(out.final_result().is_none());
+    assert_eq!(lattice.session(&out.session_id()).await.unwrap_err().code(), Code::NotFound);
+
+    let small = lattice.query("echo", "hi").await;
+    assert_eq!(small.ok().text, "hihi");
+    let sid = small.session_id();
+    let out = lattice.query_with(big(Some(sid.clone()))).await;
+    assert_eq!(out.code(), Code::ResourceExhausted, "{:?}", out.status);
+    let stored = lattice.session(&sid).await.unwrap();
+    assert_eq!(stored.messages.len(), 2, "the failed query left the history as it was");
+    let next = QueryOpts { agent: "echo".into(), prompt: "yo".into(), session: Some(sid), ..Default::default() };
+    assert_eq!(lattice.query_with(next).await.ok().text, "yoyo");
 }
 
 /// Passes bytes through as they are: a client that sends whatever it likes.
