@@ -202,7 +202,7 @@ impl Runtime {
         let mut order = Vec::new();
         let metrics = Arc::new(Metrics::default());
         for def in &config.agents {
-            let hooks = HookChain::new(&def.name, &def.hooks, config.server.max_message_bytes, metrics.clone())
+            let hooks = HookChain::new(&def.name, &def.hooks, config.server.hook_max_message_bytes, metrics.clone())
                 .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
             let tools = AgentTools::build(def, &config.server).await?;
             let chain: Vec<String> =

@@ -42,8 +42,11 @@ pub mod defaults {
     pub const MAX_DELEGATION_DEPTH: u32 = 3;
     /// Queries served at once, across sessions.
     pub const MAX_CONCURRENT_QUERIES: usize = 256;
-    /// Largest gRPC message accepted or sent (requests, hook and tool replies).
+    /// Largest gRPC message to or from Lattice's clients.
     pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+    /// Largest message to or from a hook or a tool service: larger than the
+    /// client's, since a hook sees the whole conversation every turn.
+    pub const PEER_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
     /// How long start-up waits for ListTools of each tool service.
     pub const TOOL_DISCOVERY_TIMEOUT_MS: u64 = 10_000;
     /// The listen address.
@@ -74,6 +77,8 @@ struct RawServer {
     listen: Option<Spanned<String>>,
     max_concurrent_queries: Option<usize>,
     max_message_bytes: Option<usize>,
+    hook_max_message_bytes: Option<usize>,
+    tool_max_message_bytes: Option<usize>,
     hook_deadline_ms: Option<u64>,
     hook_deadline_ceiling_ms: Option<u64>,
     query_deadline_ms: Option<u64>,
@@ -226,8 +231,14 @@ pub struct ServerSettings {
     pub listen: SocketAddr,
     /// Queries served at once; the excess gets RESOURCE_EXHAUSTED.
     pub max_concurrent_queries: usize,
-    /// Largest gRPC message, both ways, on every connection.
+    /// Largest gRPC message to or from a client (and so largest event).
     pub max_message_bytes: usize,
+    /// Largest message to or from a hook. A model request larger than this
+    /// reaches the OnModelRequest hooks (and the model) cut to its newest
+    /// messages that fit.
+    pub hook_max_message_bytes: usize,
+    /// Largest message to or from a tool service.
+    pub tool_max_message_bytes: usize,
     /// Ceiling on every hook deadline.
     pub hook_deadline_ceiling: Duration,
     /// A hook's deadline when its entry sets none.
@@ -649,6 +660,8 @@ impl Validator<'_> {
         for (v, f) in [
             (s.max_concurrent_queries.map(|v| v as u64), "server.max_concurrent_queries"),
             (s.max_message_bytes.map(|v| v as u64), "server.max_message_bytes"),
+            (s.hook_max_message_bytes.map(|v| v as u64), "server.hook_max_message_bytes"),
+            (s.tool_max_message_bytes.map(|v| v as u64), "server.tool_max_message_bytes"),
             (s.hook_deadline_ms, "server.hook_deadline_ms"),
             (s.hook_deadline_ceiling_ms, "server.hook_deadline_ceiling_ms"),
             (s.query_deadline_ms, "server.query_deadline_ms"),
@@ -662,6 +675,8 @@ impl Validator<'_> {
             listen,
             max_concurrent_queries: s.max_concurrent_queries.unwrap_or(defaults::MAX_CONCURRENT_QUERIES).max(1),
             max_message_bytes: s.max_message_bytes.unwrap_or(defaults::MAX_MESSAGE_BYTES).max(1),
+            hook_max_message_bytes: s.hook_max_message_bytes.unwrap_or(defaults::PEER_MAX_MESSAGE_BYTES).max(1),
+            tool_max_message_bytes: s.tool_max_message_bytes.unwrap_or(defaults::PEER_MAX_MESSAGE_BYTES).max(1),
             hook_deadline_ceiling: ms(s.hook_deadline_ceiling_ms.unwrap_or(defaults::HOOK_DEADLINE_CEILING_MS)),
             query_deadline: ms(s.query_deadline_ms.unwrap_or(defaults::QUERY_DEADLINE_MS)),
             max_delegation_depth: s.max_delegation_depth.unwrap_or(defaults::MAX_DELEGATION_DEPTH),

@@ -22,16 +22,17 @@ mod transport;
 use std::{fmt, sync::Arc, time::Duration};
 
 use lattice_proto::{agent::v1 as apb, hooks::v1 as pb};
+use prost::Message as _;
 use tokio::time::Instant;
 use tonic::{Code, metadata::MetadataValue, transport::Channel};
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 pub use transport::HookTransport;
 use transport::Probe;
 
 use crate::{
     config::{HookDef, HookEvents},
     convert::{self, DecodeError},
-    domain::{JsonObject, Message, ModelRequest, ToolResult, validate_conversation},
+    domain::{JsonObject, Message, ModelRequest, Role, ToolResult, validate_conversation},
     metrics::{Family, Metrics},
     peer::{Addresses, Peer},
     status::code_name,
@@ -86,6 +87,14 @@ pub enum HookFailure {
     /// gRPC protocol, or is a replacement that breaks the contract. The
     /// reason names ids and positions, never content.
     InvalidReply(String),
+    /// It was not called: the request is larger than the hook message limit.
+    /// Not the hook's doing, but the value could not pass the chain.
+    RequestTooLarge {
+        /// The request's encoded size.
+        bytes: usize,
+        /// `server.hook_max_message_bytes`.
+        limit: usize,
+    },
 }
 
 impl HookFailure {
@@ -96,6 +105,7 @@ impl HookFailure {
             HookFailure::Unavailable => "unavailable",
             HookFailure::Status(_) => "status",
             HookFailure::InvalidReply(_) => "invalid_reply",
+            HookFailure::RequestTooLarge { .. } => "request_too_large",
         }
     }
 }
@@ -107,6 +117,9 @@ impl fmt::Display for HookFailure {
             HookFailure::Unavailable => f.write_str("unavailable"),
             HookFailure::Status(c) => write!(f, "returned status {}", code_name(*c)),
             HookFailure::InvalidReply(why) => write!(f, "invalid reply: {why}"),
+            HookFailure::RequestTooLarge { bytes, limit } => {
+                write!(f, "the request ({bytes} bytes) exceeds the hook message limit ({limit} bytes)")
+            }
         }
     }
 }
@@ -115,8 +128,7 @@ impl fmt::Display for HookFailure {
 ///
 /// Its text names the agent, hook, event, subject and failure kind. It never
 /// holds content, nor the hook's own status message (which could echo it).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("hook {hook:?} of agent {agent:?} failed on {event} ({subject}): {failure}")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HookError {
     /// The agent whose chain failed.
     pub agent: String,
@@ -129,6 +141,21 @@ pub struct HookError {
     /// What went wrong.
     pub failure: HookFailure,
 }
+
+impl fmt::Display for HookError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (agent, hook, event, subject) = (&self.agent, &self.hook, self.event, &self.subject);
+        match &self.failure {
+            // Not the hook's failure: it was never called.
+            HookFailure::RequestTooLarge { .. } => {
+                write!(f, "hook {hook:?} of agent {agent:?} was not called on {event} ({subject}): {}", self.failure)
+            }
+            failure => write!(f, "hook {hook:?} of agent {agent:?} failed on {event} ({subject}): {failure}"),
+        }
+    }
+}
+
+impl std::error::Error for HookError {}
 
 /// Why a hook chain did not produce a value. Either way the query ends and
 /// the value goes nowhere.
@@ -195,6 +222,8 @@ struct Hook {
 pub struct HookChain {
     agent: String,
     hooks: Vec<Hook>,
+    /// The largest request or reply of a hook call.
+    max_message_bytes: usize,
     metrics: Arc<Metrics>,
 }
 
@@ -243,7 +272,7 @@ impl HookChain {
                 addresses,
             })
             .collect();
-        Self { agent: agent.to_owned(), hooks, metrics }
+        Self { agent: agent.to_owned(), hooks, max_message_bytes, metrics }
     }
 
     /// Whether any enabled hook handles tool results.
@@ -297,20 +326,44 @@ impl HookChain {
         ctx: &HookCtx<'_>,
         mut request: ModelRequest,
     ) -> Result<ModelRequest, ChainError> {
+        if !self.hooks.iter().any(|h| h.events.model_request) {
+            return Ok(request);
+        }
+        let tools: Vec<apb::ToolSpec> = request.tools.iter().map(apb::ToolSpec::from).collect();
+        let mut messages = convert::messages_to_pb(&request.messages);
+        // A conversation that outgrew the hook limit goes on in a window of
+        // its newest messages: the hooks and the model see the same one.
+        let base = pb::OnModelRequestRequest {
+            context: Some(self.context(ctx)),
+            system: request.system.clone(),
+            messages: Vec::new(),
+            tools: tools.clone(),
+            omitted_messages: u32::MAX,
+        };
+        let omitted = window(&request.messages, &messages, base.encoded_len(), self.max_message_bytes);
+        if omitted > 0 {
+            info!(agent = %self.agent, turn = ctx.turn, omitted, kept = messages.len() - omitted, limit = self.max_message_bytes, "model request cut to the hook message limit");
+            request.messages.drain(..omitted);
+            messages.drain(..omitted);
+        }
+        let mut first = Some(messages);
         for hook in self.hooks.iter().filter(|h| h.events.model_request) {
             let pb_request = pb::OnModelRequestRequest {
                 context: Some(self.context(ctx)),
                 system: request.system.clone(),
-                messages: convert::messages_to_pb(&request.messages),
-                tools: request.tools.iter().map(apb::ToolSpec::from).collect(),
+                // Converted once for the first hook, then from what the
+                // previous hook left.
+                messages: first.take().unwrap_or_else(|| convert::messages_to_pb(&request.messages)),
+                tools: tools.clone(),
+                omitted_messages: omitted as u32,
             };
             let mut client = hook.client.clone();
             let send = |req| async move { client.on_model_request(req).await };
             let subject = HookSubject::Turn(ctx.turn);
-            let (messages, system) =
+            let (replacement, system) =
                 self.call(hook, ctx, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await?;
-            if let Some(messages) = messages {
-                request.messages = messages;
+            if let Some(replaced) = replacement {
+                request.messages = replaced;
             }
             if let Some(system) = system {
                 request.system = system;
@@ -343,6 +396,7 @@ impl HookChain {
         accept: impl FnOnce(Resp) -> Result<T, String>,
     ) -> Result<T, ChainError>
     where
+        Req: prost::Message,
         F: FnOnce(tonic::Request<Req>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
@@ -366,7 +420,10 @@ impl HookChain {
             elapsed_ms = tracing::field::Empty,
         );
         let budget = call_deadline.saturating_duration_since(started);
-        let failure = if budget.is_zero() {
+        let bytes = message.encoded_len();
+        let failure = if bytes > self.max_message_bytes {
+            HookFailure::RequestTooLarge { bytes, limit: self.max_message_bytes }
+        } else if budget.is_zero() {
             HookFailure::Deadline
         } else if hook.addresses.none() {
             HookFailure::Unavailable
@@ -402,13 +459,43 @@ impl HookChain {
             debug!(parent: &span, elapsed_ms, "the query's deadline passed during the hook call");
             return Err(ChainError::QueryDeadline);
         }
-        let code = match &failure {
-            HookFailure::Status(c) => Some(code_name(*c)),
-            _ => None,
-        };
-        warn!(parent: &span, kind = failure.kind(), code, elapsed_ms, "hook failed");
+        match &failure {
+            HookFailure::RequestTooLarge { bytes, limit } => {
+                warn!(parent: &span, kind = failure.kind(), bytes, limit, "hook not called: the request is too large");
+            }
+            HookFailure::Status(code) => {
+                warn!(parent: &span, kind = failure.kind(), code = code_name(*code), elapsed_ms, "hook failed");
+            }
+            _ => warn!(parent: &span, kind = failure.kind(), elapsed_ms, "hook failed"),
+        }
         Err(self.error(hook, event, subject, failure).into())
     }
+}
+
+/// How many of the oldest messages to leave out so that an OnModelRequest
+/// request of `base` bytes without messages, plus the rest, fits `limit`:
+/// the fewest that leave a valid conversation (starting at a user message
+/// that answers no tool call). 0 when everything fits, or when no window
+/// does (the first hook call then fails as request_too_large, naming sizes).
+fn window(messages: &[Message], encoded: &[apb::Message], base: usize, limit: usize) -> usize {
+    // Each repeated field element costs its tag, its length and its bytes.
+    let sizes: Vec<usize> = encoded
+        .iter()
+        .map(|m| {
+            let len = m.encoded_len();
+            1 + prost::encoding::encoded_len_varint(len as u64) + len
+        })
+        .collect();
+    let mut rest: usize = sizes.iter().sum();
+    for (i, m) in messages.iter().enumerate() {
+        let starts_cleanly =
+            m.role == Role::User && !m.content.iter().any(|b| matches!(b, crate::domain::Block::ToolResult(_)));
+        if starts_cleanly && base + rest <= limit {
+            return i;
+        }
+        rest -= sizes[i];
+    }
+    0
 }
 
 /// Checks an OnModelRequest reply: a replacement list must decode and be a

@@ -61,7 +61,9 @@ impl Family {
         match self {
             Family::Queries => "Queries by agent and final gRPC status code.",
             Family::QueryDuration => "Query duration from start to final result or error.",
-            Family::HookCalls => "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply, cancelled).",
+            Family::HookCalls => {
+                "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply, request_too_large, cancelled)."
+            }
             Family::HookCallDuration => "Hook RPC duration, connecting included.",
             Family::ToolCalls => "Tool calls by outcome (executed, failed, blocked, cancelled).",
             Family::ModelRequests => {

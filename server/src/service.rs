@@ -15,7 +15,6 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::{
     agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
-    convert,
     metrics::Family,
     peer,
     session::{SessionStore, StoreError},
@@ -328,13 +327,42 @@ impl AgentService for AgentSvc {
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
-        let id = request.into_inner().session_id;
-        let s = self.store.get(&id).map_err(|e| status::store_error(&e))?;
-        Ok(Response::new(pb::Session {
-            session_id: id,
+        let req = request.into_inner();
+        let start = match req.page_token.as_str() {
+            "" => 0,
+            token => token.parse::<usize>().map_err(|_| Status::invalid_argument("page_token is not one of ours"))?,
+        };
+        let s = self.store.get(&req.session_id).map_err(|e| status::store_error(&e))?;
+        if start > s.messages.len() {
+            return Err(Status::invalid_argument("page_token is past the end of the conversation"));
+        }
+        let mut page = pb::Session {
+            session_id: req.session_id,
             agent: s.agent,
-            messages: convert::messages_to_pb(&s.messages),
-        }))
+            messages: Vec::new(),
+            next_page_token: String::new(),
+            total_messages: s.messages.len() as u32,
+        };
+        let most = if req.page_size == 0 { usize::MAX } else { req.page_size as usize };
+        // Room for the token itself, written after the messages are chosen.
+        let mut room = self.runtime.settings.max_message_bytes.saturating_sub(prost::Message::encoded_len(&page) + 16);
+        for message in s.messages[start..].iter().take(most) {
+            let message = pb::Message::from(message);
+            let len = prost::Message::encoded_len(&message);
+            let cost = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+            // The first message always goes in: no stored message is larger
+            // than one event was (see `sized`).
+            if cost > room && !page.messages.is_empty() {
+                break;
+            }
+            room = room.saturating_sub(cost);
+            page.messages.push(message);
+        }
+        let next = start + page.messages.len();
+        if next < s.messages.len() {
+            page.next_page_token = next.to_string();
+        }
+        Ok(Response::new(page))
     }
 
     async fn delete_session(

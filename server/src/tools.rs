@@ -181,8 +181,8 @@ impl AgentTools {
                 },
             )?;
             let client = pb::tool_service_client::ToolServiceClient::new(peer.channel)
-                .max_decoding_message_size(settings.max_message_bytes)
-                .max_encoding_message_size(settings.max_message_bytes);
+                .max_decoding_message_size(settings.tool_max_message_bytes)
+                .max_encoding_message_size(settings.tool_max_message_bytes);
             let specs = match &source.declared {
                 Some(declared) => declared.clone(),
                 None => discover(&def.name, &source.endpoint, client.clone(), settings.tool_discovery_timeout).await?,

@@ -275,9 +275,21 @@ impl Lattice {
         out
     }
 
-    /// The stored conversation of a session.
+    /// The stored conversation of a session: every page, joined.
     pub async fn session(&self, id: &str) -> Result<pb::Session, Status> {
-        self.client().await.get_session(pb::GetSessionRequest { session_id: id.into() }).await.map(|r| r.into_inner())
+        let mut whole = self.session_page(id, 0, "").await?;
+        while !whole.next_page_token.is_empty() {
+            let page = self.session_page(id, 0, &whole.next_page_token).await?;
+            whole.messages.extend(page.messages);
+            whole.next_page_token = page.next_page_token;
+        }
+        Ok(whole)
+    }
+
+    /// One page of a session's conversation.
+    pub async fn session_page(&self, id: &str, page_size: u32, page_token: &str) -> Result<pb::Session, Status> {
+        let request = pb::GetSessionRequest { session_id: id.into(), page_size, page_token: page_token.into() };
+        self.client().await.get_session(request).await.map(|r| r.into_inner())
     }
 
     /// Everything in the trace directory.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lattice_proto::agent::v1::{self as pb, ToolCallOutcome};
 use lattice_tests::{
-    Lattice, QueryOpts, cfg,
+    Lattice, QueryOpts, cfg, message_text,
     tool::{ToolDef, ToolServer},
 };
 use tokio_stream::StreamExt;
@@ -427,6 +427,38 @@ async fn a_reply_too_large_for_the_client_is_not_committed() {
     assert_eq!(stored.messages.len(), 2, "the failed query left the history as it was");
     let next = QueryOpts { agent: "echo".into(), prompt: "yo".into(), session: Some(sid), ..Default::default() };
     assert_eq!(lattice.query_with(next).await.ok().text, "yoyo");
+}
+
+/// A conversation larger than one reply may be is read in pages: each
+/// within the message limit, together the whole history in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_session_is_read_in_pages() {
+    let config = "[server]\nmax_message_bytes = 65536\n".to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+    let lattice = Lattice::start(&config).await;
+    let mut session = None;
+    for i in 0..5 {
+        let opts = QueryOpts {
+            agent: "a".into(),
+            prompt: format!("{i}:{}", "p".repeat(20 * 1024)),
+            session: session.clone(),
+            no_model_requests: true,
+            ..Default::default()
+        };
+        session = Some(lattice.query_with(opts).await.session_id());
+    }
+    let sid = session.unwrap();
+    let first = lattice.session_page(&sid, 0, "").await.unwrap();
+    assert_eq!(first.total_messages, 10);
+    assert!(first.messages.len() < 10 && !first.next_page_token.is_empty(), "{}", first.messages.len());
+    assert!(prost::Message::encoded_len(&first) <= 65536);
+    let whole = lattice.session(&sid).await.unwrap();
+    let prompts: Vec<String> = whole.messages.iter().step_by(2).map(|m| message_text(m)[..2].to_owned()).collect();
+    assert_eq!(prompts, vec!["0:", "1:", "2:", "3:", "4:"]);
+    assert!(whole.messages.iter().skip(1).step_by(2).all(|m| message_text(m) == "ok"));
+    let three = lattice.session_page(&sid, 3, "").await.unwrap();
+    assert_eq!((three.messages.len(), three.next_page_token.as_str()), (3, "3"));
+    assert_eq!(lattice.session_page(&sid, 0, "x").await.unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(lattice.session_page(&sid, 0, "11").await.unwrap_err().code(), Code::InvalidArgument);
 }
 
 /// Passes bytes through as they are: a client that sends whatever it likes.

@@ -334,7 +334,7 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
         let tools = ToolServer::start(vec![ToolDef::new("t", &format!("the secret is {secret}"))]).await;
         let first = HookServer::start(appender("[ok]")).await;
         let (url, _keep, _keep_bad, _keep_raw) = failing_hook(f).await;
-        let config = "[server]\nmax_message_bytes = 65536\n".to_owned()
+        let config = "[server]\nhook_max_message_bytes = 65536\n".to_owned()
             + &cfg::agent("x", "")
             + &cfg::turn("go", &["t"])
             + &cfg::turn("{{request}}", &[])
@@ -375,7 +375,7 @@ async fn every_model_request_hook_failure_aborts_without_leaking() {
     ] {
         let secret = canary();
         let (url, _keep, _keep_bad, _keep_raw) = failing_hook(f).await;
-        let config = "[server]\nmax_message_bytes = 65536\n".to_owned()
+        let config = "[server]\nhook_max_message_bytes = 65536\n".to_owned()
             + &cfg::agent("x", "")
             + &cfg::turn("{{request}}", &[])
             + &cfg::hook("shaper", &url, &["model_request"], 300);
@@ -647,6 +647,59 @@ async fn parallel_results_keep_their_order_and_their_chain() {
     for r in b.state.tool_results() {
         assert!(result_text(r.result.as_ref().unwrap()).ends_with('a'), "{r:?}");
     }
+}
+
+/// A session whose conversation outgrew the hook message limit goes on:
+/// the OnModelRequest hooks and the model see the newest messages that fit
+/// (the hook is told how many were left out), while the stored history
+/// keeps everything. A prompt too large on its own aborts as
+/// request_too_large without blaming the hook, and the session stays usable.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_conversation_larger_than_the_hook_limit_goes_on_in_a_window() {
+    let hook = HookServer::start(Behaviour::default()).await;
+    let config = "[server]\nhook_max_message_bytes = 32768\n".to_owned()
+        + &cfg::agent("x", "")
+        + &cfg::turn("seen {{message_count}}", &[])
+        + &cfg::hook("h", &hook.url, &["model_request"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let mut session = None;
+    let mut seen = Vec::new();
+    for i in 0..6 {
+        let opts = QueryOpts {
+            agent: "x".into(),
+            prompt: format!("{i}{}", "p".repeat(10 * 1024)),
+            session: session.clone(),
+            ..Default::default()
+        };
+        let out = lattice.query_with(opts).await;
+        seen.push(out.ok().text.clone());
+        session = Some(out.session_id());
+    }
+    let sid = session.unwrap();
+    assert_eq!(lattice.session(&sid).await.unwrap().messages.len(), 12, "the stored history keeps everything");
+    let requests = hook.state.model_requests();
+    let last = requests.last().unwrap();
+    assert!(last.omitted_messages > 0, "{seen:?}");
+    assert_eq!(last.messages.len() as u32 + last.omitted_messages, 11);
+    assert!(prost::Message::encoded_len(last) <= 32768);
+    // The model saw the same window as the hook.
+    assert_eq!(seen[5], format!("seen {}", last.messages.len()));
+    assert!(requests[0].omitted_messages == 0 && requests[0].messages.len() == 1);
+
+    let huge = QueryOpts {
+        agent: "x".into(),
+        prompt: "q".repeat(40 * 1024),
+        session: Some(sid.clone()),
+        ..Default::default()
+    };
+    let out = lattice.query_with(huge).await;
+    let meta = out.hook_failure();
+    assert_eq!(meta["kind"], "request_too_large");
+    let message = out.status.as_ref().unwrap().message();
+    assert!(message.contains("was not called") && !message.contains("failed on"), "{message}");
+    assert_eq!(lattice.session(&sid).await.unwrap().messages.len(), 12);
+    let next = QueryOpts { agent: "x".into(), prompt: "small".into(), session: Some(sid), ..Default::default() };
+    lattice.query_with(next).await.ok();
 }
 
 /// The first hook failure aborts the query at once: it does not wait for a

@@ -164,3 +164,26 @@ async fn no_call_is_made_without_time_left() {
     assert_eq!(took, Duration::ZERO);
     assert!(seen[0].lock().unwrap().is_empty());
 }
+
+/// A request over the hook limit keeps its newest messages that fit, from
+/// a user message that answers no tool call; when nothing fits, nothing is
+/// cut (the call then fails as request_too_large).
+#[test]
+fn a_window_starts_at_a_clean_user_message() {
+    use crate::domain::{Block, Role, ToolUse};
+    let text = |role, n: usize| Message { role, content: vec![Block::Text { text: "x".repeat(n) }] };
+    let tool_use = Message {
+        role: Role::Assistant,
+        content: vec![Block::ToolUse(ToolUse { id: "t1".into(), name: "t".into(), input: JsonObject::new() })],
+    };
+    let tool_result =
+        Message { role: Role::User, content: vec![Block::ToolResult(ToolResult::text("t1", "r", false))] };
+    let messages =
+        vec![text(Role::User, 1000), tool_use, tool_result, text(Role::Assistant, 1000), text(Role::User, 100)];
+    let encoded = convert::messages_to_pb(&messages);
+    assert_eq!(window(&messages, &encoded, 50, 10_000), 0, "everything fits");
+    // Without the first message the next clean start is the last prompt:
+    // the tool_result at index 2 cannot start a conversation.
+    assert_eq!(window(&messages, &encoded, 50, 1_500), 4);
+    assert_eq!(window(&messages, &encoded, 50, 60), 0, "nothing fits: nothing is cut");
+}
