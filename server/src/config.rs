@@ -1,9 +1,12 @@
 //! The config file: TOML → raw serde structs → a validated, typed config.
 //!
-//! Parsing stops at the first syntax or type error (the TOML parser reports
-//! it with line and column). Everything after that is validated as a whole
-//! and every problem is reported, each with file, line and field, so that one
-//! run of `lattice check-config` shows all there is to fix.
+//! Only a TOML syntax error stops the reading (the parser reports it with
+//! its line). After that every problem is collected and reported, each with
+//! file, line and field path (`agents[0].hooks[1].endpoint`), so that one run
+//! of `lattice check-config` shows all there is to fix: unknown keys (with a
+//! "did you mean" for near misses, see [`document`]), values of the wrong
+//! type (one per agent: an agent that does not deserialize is not validated
+//! further), and every rule the validator checks.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -15,7 +18,13 @@ use std::{
 
 use serde::Deserialize;
 use serde_json::Value;
-use toml::Spanned;
+use toml::{
+    Spanned,
+    de::{DeTable, DeValue, ValueDeserializer},
+};
+
+mod document;
+use document::{Shape, Walk, fields_of, remove_key};
 
 use crate::{
     domain::{JsonObject, StopReason, ToolSpec},
@@ -62,8 +71,7 @@ pub mod defaults {
 
 // ---------------------------------------------------------------- raw ----
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Default, Deserialize)]
 struct RawConfig {
     #[serde(default)]
     server: RawServer,
@@ -72,7 +80,6 @@ struct RawConfig {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawServer {
     listen: Option<Spanned<String>>,
     max_concurrent_queries: Option<usize>,
@@ -88,7 +95,6 @@ struct RawServer {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawAgent {
     name: Spanned<String>,
     #[serde(default)]
@@ -112,7 +118,6 @@ struct RawAgent {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawModel {
     provider: Spanned<String>,
     #[serde(default)]
@@ -129,7 +134,6 @@ struct RawModel {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawScriptTurn {
     #[serde(default)]
     text: Option<String>,
@@ -142,7 +146,6 @@ struct RawScriptTurn {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawScriptCall {
     name: String,
     #[serde(default)]
@@ -150,7 +153,6 @@ struct RawScriptCall {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawToolSource {
     endpoint: Spanned<String>,
     tls: Option<Spanned<RawTls>>,
@@ -162,7 +164,6 @@ struct RawToolSource {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawToolDecl {
     name: String,
     #[serde(default)]
@@ -172,7 +173,6 @@ struct RawToolDecl {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawDelegate {
     agent: Spanned<String>,
     tool_name: Option<String>,
@@ -182,7 +182,6 @@ struct RawDelegate {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawHook {
     name: Spanned<String>,
     endpoint: Spanned<String>,
@@ -195,7 +194,6 @@ struct RawHook {
 
 /// TLS to a tool or hook service. Paths are relative to the config file.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawTls {
     /// The CA that signs the service's certificate (PEM); the system's roots
     /// when unset.
@@ -211,6 +209,63 @@ struct RawTls {
 
 fn yes() -> bool {
     true
+}
+
+// Which tables sit under which keys (for the key check; see `document`).
+static ROOT: Shape = Shape { fields: fields_of::<RawConfig>, child: root_child };
+static SERVER: Shape = Shape { fields: fields_of::<RawServer>, child: no_child };
+static AGENT: Shape = Shape { fields: fields_of::<RawAgent>, child: agent_child };
+static MODEL: Shape = Shape { fields: fields_of::<RawModel>, child: model_child };
+static SCRIPT_TURN: Shape = Shape { fields: fields_of::<RawScriptTurn>, child: script_turn_child };
+static SCRIPT_CALL: Shape = Shape { fields: fields_of::<RawScriptCall>, child: no_child };
+static TOOLS: Shape = Shape { fields: fields_of::<RawToolSource>, child: tools_child };
+static TOOL_DECL: Shape = Shape { fields: fields_of::<RawToolDecl>, child: no_child };
+static DELEGATE: Shape = Shape { fields: fields_of::<RawDelegate>, child: no_child };
+static HOOK: Shape = Shape { fields: fields_of::<RawHook>, child: tls_child };
+static TLS: Shape = Shape { fields: fields_of::<RawTls>, child: no_child };
+
+fn no_child(_: &str) -> Option<&'static Shape> {
+    None
+}
+
+fn root_child(key: &str) -> Option<&'static Shape> {
+    match key {
+        "server" => Some(&SERVER),
+        "agents" => Some(&AGENT),
+        _ => None,
+    }
+}
+
+fn agent_child(key: &str) -> Option<&'static Shape> {
+    match key {
+        "model" => Some(&MODEL),
+        "tools" => Some(&TOOLS),
+        "delegates" => Some(&DELEGATE),
+        "hooks" => Some(&HOOK),
+        _ => None,
+    }
+}
+
+fn model_child(key: &str) -> Option<&'static Shape> {
+    (key == "script").then_some(&SCRIPT_TURN)
+}
+
+fn script_turn_child(key: &str) -> Option<&'static Shape> {
+    // A call's `input` is free-form.
+    (key == "tool_calls").then_some(&SCRIPT_CALL)
+}
+
+fn tools_child(key: &str) -> Option<&'static Shape> {
+    match key {
+        "tls" => Some(&TLS),
+        // A declared tool's `input_schema` is free-form.
+        "declare" => Some(&TOOL_DECL),
+        _ => None,
+    }
+}
+
+fn tls_child(key: &str) -> Option<&'static Shape> {
+    (key == "tls").then_some(&TLS)
 }
 
 // ---------------------------------------------------------- validated ----
@@ -452,7 +507,8 @@ pub struct HookDef {
     pub tls: Option<Tls>,
     /// Events it handles.
     pub events: HookEvents,
-    /// Its deadline (already capped by the ceiling).
+    /// Its deadline (never above the ceiling: a config asking for more is
+    /// refused).
     pub deadline: Duration,
     /// Disabled entries are skipped.
     pub enabled: bool,
@@ -504,18 +560,48 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     parse(&text, path)
 }
 
-/// Parses and validates config text (`path` is for messages).
+/// Parses and validates config text (`path` is for messages), as `serve`
+/// needs it: the model API keys must be set.
 pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-    let fail = |problems| ConfigError { file: path.to_owned(), problems };
-    let raw: RawConfig = toml::from_str(text).map_err(|e| {
-        let line = e.span().map(|s| line_of(text, s.start));
-        fail(vec![Problem { line, field: "-".into(), message: e.message().trim().to_owned() }])
+    parse_with(text, path, Secrets::Required).map(|(config, _)| config)
+}
+
+/// Reads and validates a config file as `check-config` does: an API key
+/// variable that is not set is a warning (CI validates configs without
+/// secrets), returned beside the config.
+pub fn check(path: &Path) -> Result<(Config, Vec<Problem>), ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: path.to_owned(),
+        problems: vec![Problem { line: None, field: "-".into(), message: format!("cannot read: {e}") }],
     })?;
+    parse_with(&text, path, Secrets::Optional)
+}
+
+/// Whether the model API keys must be in the environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Secrets {
+    Required,
+    Optional,
+}
+
+fn parse_with(text: &str, path: &Path, secrets: Secrets) -> Result<(Config, Vec<Problem>), ConfigError> {
+    let fail = |problems| ConfigError { file: path.to_owned(), problems };
+    let doc = DeTable::parse(text).map_err(|e| {
+        let line = e.span().map(|s| line_of(text, s.start));
+        fail(vec![Problem { line, field: "(syntax)".into(), message: e.message().trim().to_owned() }])
+    })?;
+    let mut walk = Walk::default();
+    walk.table(doc.get_ref(), &ROOT, "");
     let dir = path.parent().unwrap_or(Path::new("")).to_owned();
-    let mut v = Validator { text, dir, problems: Vec::new() };
+    let unknown = std::mem::take(&mut walk.unknown);
+    let mut v = Validator { text, dir, secrets, walk, problems: Vec::new(), warnings: Vec::new() };
+    for u in unknown {
+        v.problem(Some(u.span), u.field, u.message);
+    }
+    let raw = v.raw(doc.into_inner());
     let config = v.config(raw);
     if v.problems.is_empty() {
-        Ok(config)
+        Ok((config, v.warnings))
     } else {
         v.problems.sort_by_key(|p| p.line.unwrap_or(0));
         Err(fail(v.problems))
@@ -530,7 +616,22 @@ struct Validator<'a> {
     text: &'a str,
     /// The config file's directory: relative paths start here.
     dir: PathBuf,
+    /// Whether a missing API key is a problem or a warning.
+    secrets: Secrets,
+    /// Every value's field path and span.
+    walk: Walk,
     problems: Vec<Problem>,
+    warnings: Vec<Problem>,
+}
+
+/// The raw config, its parts typed one by one so that a wrong value in one
+/// agent hides nothing in another.
+struct Parts {
+    raw: RawConfig,
+    /// Whether the file has an `agents` key at all.
+    has_agents: bool,
+    /// Names of agents that did not deserialize (still valid delegation targets).
+    broken: HashSet<String>,
 }
 
 fn valid_name(s: &str) -> bool {
@@ -554,9 +655,88 @@ fn table_to_object(t: BTreeMap<String, toml::Value>) -> JsonObject {
 }
 
 impl Validator<'_> {
+    /// Types the server table and each agent on its own; each failure is a
+    /// problem at the path of the value it names.
+    fn raw(&mut self, doc: DeTable<'_>) -> Parts {
+        let mut parts = Parts { raw: RawConfig::default(), has_agents: false, broken: HashSet::new() };
+        for (key, value) in doc {
+            match &**key.get_ref() {
+                "server" => {
+                    if let Some(server) = self.typed(value, "server") {
+                        parts.raw.server = server;
+                    }
+                }
+                "agents" => {
+                    parts.has_agents = true;
+                    let span = value.span();
+                    let DeValue::Array(items) = value.into_inner() else {
+                        self.problem(Some(span), "agents", "must be an array of tables: [[agents]]");
+                        continue;
+                    };
+                    for (i, item) in items.into_iter().enumerate() {
+                        let name = match item.get_ref() {
+                            DeValue::Table(t) => t.iter().find_map(|(k, v)| match (&**k.get_ref(), v.get_ref()) {
+                                ("name", DeValue::String(s)) => Some(s.to_string()),
+                                _ => None,
+                            }),
+                            _ => None,
+                        };
+                        match self.agent_table(item, i) {
+                            Some(agent) => parts.raw.agents.push(agent),
+                            None => parts.broken.extend(name),
+                        }
+                    }
+                }
+                _ => {} // reported by the walk
+            }
+        }
+        parts
+    }
+
+    /// Types one agent. A value of the wrong type is reported and left out
+    /// (its default applies), and typing goes on, so that one typo hides
+    /// none of the agent's other problems. An agent that still doesn't type
+    /// (a required key missing) is reported and skipped.
+    fn agent_table(&mut self, item: Spanned<DeValue<'_>>, i: usize) -> Option<RawAgent> {
+        let at = format!("agents[{i}]");
+        let span = item.span();
+        let mut item = item.into_inner();
+        for _ in 0..32 {
+            let attempt = RawAgent::deserialize(ValueDeserializer::from(Spanned::new(span.clone(), item.clone())));
+            let e = match attempt {
+                Ok(agent) => return Some(agent),
+                Err(e) => e,
+            };
+            let error_span = e.span().unwrap_or(span.clone());
+            let field = self.walk.path_of(&error_span).unwrap_or(&at).to_owned();
+            self.problem(Some(error_span), field.clone(), e.message().trim());
+            let removed = match (&mut item, field.strip_prefix(&format!("{at}."))) {
+                (DeValue::Table(t), Some(relative)) => remove_key(t, relative),
+                _ => false,
+            };
+            if !removed {
+                return None;
+            }
+        }
+        None
+    }
+
+    fn typed<T: serde::de::DeserializeOwned>(&mut self, value: Spanned<DeValue<'_>>, at: &str) -> Option<T> {
+        let whole = value.span();
+        T::deserialize(ValueDeserializer::from(value))
+            .map_err(|e| {
+                let span = e.span().unwrap_or(whole);
+                let field = self.walk.path_of(&span).unwrap_or(at).to_owned();
+                self.problem(Some(span), field, e.message().trim());
+            })
+            .ok()
+    }
+
+    /// Records a problem; without a span, the line is the field's own.
     fn problem(&mut self, span: Option<std::ops::Range<usize>>, field: impl Into<String>, message: impl Into<String>) {
-        let line = span.map(|s| line_of(self.text, s.start));
-        self.problems.push(Problem { line, field: field.into(), message: message.into() });
+        let field = field.into();
+        let line = span.or_else(|| self.walk.span_of(&field)).map(|s| line_of(self.text, s.start));
+        self.problems.push(Problem { line, field, message: message.into() });
     }
 
     /// An endpoint and its TLS table: files read, certificates and key
@@ -619,9 +799,10 @@ impl Validator<'_> {
         }
     }
 
-    fn config(&mut self, raw: RawConfig) -> Config {
+    fn config(&mut self, parts: Parts) -> Config {
+        let raw = parts.raw;
         let server = self.server(raw.server);
-        if raw.agents.is_empty() {
+        if !parts.has_agents {
             self.problem(None, "agents", "no agents are defined: add at least one [[agents]] table");
         }
         let mut seen = HashSet::new();
@@ -634,7 +815,8 @@ impl Validator<'_> {
                 );
             }
         }
-        let names: HashSet<String> = raw.agents.iter().map(|a| a.name.get_ref().clone()).collect();
+        let mut names: HashSet<String> = raw.agents.iter().map(|a| a.name.get_ref().clone()).collect();
+        names.extend(parts.broken);
         let mut agents = Vec::new();
         let mut spans = Vec::new();
         for (i, a) in raw.agents.into_iter().enumerate() {
@@ -671,18 +853,23 @@ impl Validator<'_> {
                 self.problem(None, f, "must be at least 1");
             }
         }
+        let ceiling = s.hook_deadline_ceiling_ms.unwrap_or(defaults::HOOK_DEADLINE_CEILING_MS);
+        if let Some(d) = s.hook_deadline_ms.filter(|d| *d > ceiling) {
+            let message = format!("{d} ms is above the ceiling of {ceiling} ms (server.hook_deadline_ceiling_ms)");
+            self.problem(None, "server.hook_deadline_ms", message);
+        }
         ServerSettings {
             listen,
             max_concurrent_queries: s.max_concurrent_queries.unwrap_or(defaults::MAX_CONCURRENT_QUERIES).max(1),
             max_message_bytes: s.max_message_bytes.unwrap_or(defaults::MAX_MESSAGE_BYTES).max(1),
             hook_max_message_bytes: s.hook_max_message_bytes.unwrap_or(defaults::PEER_MAX_MESSAGE_BYTES).max(1),
             tool_max_message_bytes: s.tool_max_message_bytes.unwrap_or(defaults::PEER_MAX_MESSAGE_BYTES).max(1),
-            hook_deadline_ceiling: ms(s.hook_deadline_ceiling_ms.unwrap_or(defaults::HOOK_DEADLINE_CEILING_MS)),
+            hook_deadline_ceiling: ms(ceiling),
             query_deadline: ms(s.query_deadline_ms.unwrap_or(defaults::QUERY_DEADLINE_MS)),
             max_delegation_depth: s.max_delegation_depth.unwrap_or(defaults::MAX_DELEGATION_DEPTH),
             tool_discovery_timeout: ms(s.tool_discovery_timeout_ms.unwrap_or(defaults::TOOL_DISCOVERY_TIMEOUT_MS)),
             trace_dir: s.trace_dir,
-            hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS)),
+            hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
         }
     }
 
@@ -778,10 +965,17 @@ impl Validator<'_> {
             let tls = self.endpoint(&h.endpoint, h.tls, &at(&format!("hooks[{j}]")));
             let mut events = HookEvents::default();
             for e in h.events.get_ref() {
-                match e.as_str() {
-                    "tool_result" => events.tool_result = true,
-                    "model_request" => events.model_request = true,
-                    other => self.problem(
+                let seen = match e.as_str() {
+                    "tool_result" => Some(std::mem::replace(&mut events.tool_result, true)),
+                    "model_request" => Some(std::mem::replace(&mut events.model_request, true)),
+                    _ => None,
+                };
+                match (e.as_str(), seen) {
+                    (_, Some(true)) => {
+                        self.problem(Some(h.events.span()), f("events"), format!("event {e:?} is listed twice"))
+                    }
+                    (_, Some(false)) => {}
+                    (other, None) => self.problem(
                         Some(h.events.span()),
                         f("events"),
                         format!("unknown event {other:?} (expected \"tool_result\" or \"model_request\")"),
@@ -796,6 +990,15 @@ impl Validator<'_> {
                     self.problem(Some(d.span()), f("deadline_ms"), "must be at least 1");
                     server.hook_default_deadline
                 }
+                Some(d) if ms(*d.get_ref()) > server.hook_deadline_ceiling => {
+                    let ceiling = server.hook_deadline_ceiling.as_millis();
+                    let message = format!(
+                        "{} ms is above the ceiling of {ceiling} ms (server.hook_deadline_ceiling_ms)",
+                        d.get_ref()
+                    );
+                    self.problem(Some(d.span()), f("deadline_ms"), message);
+                    server.hook_deadline_ceiling
+                }
                 Some(d) => ms(*d.get_ref()),
                 None => server.hook_default_deadline,
             };
@@ -804,7 +1007,7 @@ impl Validator<'_> {
                 endpoint: h.endpoint.into_inner(),
                 tls,
                 events,
-                deadline: deadline.min(server.hook_deadline_ceiling),
+                deadline,
                 enabled: h.enabled,
             });
         }
@@ -914,11 +1117,16 @@ impl Validator<'_> {
             Some(var) => match std::env::var(var.get_ref()) {
                 Ok(key) if !key.trim().is_empty() => (var.get_ref().clone(), key.trim().to_owned()),
                 _ => {
-                    self.problem(
-                        Some(var.span()),
-                        at("api_key_env"),
-                        format!("environment variable {:?} is not set", var.get_ref()),
-                    );
+                    let message = format!("environment variable {:?} is not set", var.get_ref());
+                    match self.secrets {
+                        Secrets::Required => self.problem(Some(var.span()), at("api_key_env"), message),
+                        // check-config: the key is needed to serve, not to check.
+                        Secrets::Optional => {
+                            let line = Some(line_of(self.text, var.span().start));
+                            let message = format!("{message} (serving needs it)");
+                            self.warnings.push(Problem { line, field: at("api_key_env"), message });
+                        }
+                    }
                     (var.get_ref().clone(), String::new())
                 }
             },

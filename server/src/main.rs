@@ -82,8 +82,12 @@ fn init_logs(format: LogFormat) {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { config } => match config::load(&config) {
-            Ok(c) => {
+        Command::CheckConfig { config } => match config::check(&config) {
+            Ok((c, warnings)) => {
+                for w in &warnings {
+                    let line = w.line.map(|l| format!(":{l}")).unwrap_or_default();
+                    eprintln!("warning: {}{line}: {}: {}", config.display(), w.field, w.message);
+                }
                 println!("{}: OK ({} agent(s))", config.display(), c.agents.len());
                 for a in &c.agents {
                     let hooks: Vec<&str> = a.hooks.iter().filter(|h| h.enabled).map(|h| h.name.as_str()).collect();

@@ -598,6 +598,59 @@ agent = "ghost"
     }
     let typo = Lattice::try_start("[[agents]]\nname = \"a\"\nmax_turnz = 3\n").await.err().unwrap();
     assert!(typo.contains("test.toml:3") && typo.contains("max_turnz"), "{typo}");
+
+    // An unknown key, a value of the wrong type and rules broken after them:
+    // all reported, each at its line and field, none hiding another. (The
+    // harness adds a trace_dir line under [server]: lines count from it.)
+    let config = r#"
+[server]
+hook_deadline_ms = 50000
+qeury_deadline_ms = 5
+[[agents]]
+name = "a"
+max_turnz = 3
+parallel_tool_calls = "two"
+[agents.model]
+provider = "scripted"
+[[agents.hooks]]
+name = "h"
+endpoint = "http://127.0.0.1:1"
+events = ["tool_result", "tool_result"]
+deadline_ms = 20000
+"#;
+    let err = Lattice::try_start(config).await.err().expect("refused");
+    for expected in [
+        "test.toml:4: server.hook_deadline_ms: 50000 ms is above the ceiling of 10000 ms",
+        "test.toml:5: server.qeury_deadline_ms: unknown key \"qeury_deadline_ms\"; did you mean \"query_deadline_ms\"?",
+        "test.toml:8: agents[0].max_turnz: unknown key \"max_turnz\"; did you mean \"max_turns\"?",
+        "test.toml:9: agents[0].parallel_tool_calls: invalid type: string \"two\"",
+        "test.toml:15: agents[0].hooks[0].events: event \"tool_result\" is listed twice",
+        "test.toml:16: agents[0].hooks[0].deadline_ms: 20000 ms is above the ceiling of 10000 ms",
+    ] {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
+}
+
+/// check-config validates a config whose API key variable is not set (CI
+/// has no secrets): a warning naming the variable, and exit 0; `serve`
+/// refuses the same config.
+#[tokio::test(flavor = "multi_thread")]
+async fn check_config_warns_about_missing_api_keys() {
+    let dir = lattice_tests::temp_dir("check");
+    let path = dir.join("lattice.toml");
+    let config = "[[agents]]\nname = \"a\"\n[agents.model]\nprovider = \"anthropic\"\nname = \"m\"\napi_key_env = \"LATTICE_TEST_UNSET_KEY\"\n";
+    std::fs::write(&path, config).unwrap();
+    let check = std::process::Command::new(lattice_tests::workspace_binary("lattice"))
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .env_remove("LATTICE_TEST_UNSET_KEY")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert!(check.status.success(), "{stderr}");
+    assert!(stderr.contains("warning:") && stderr.contains("LATTICE_TEST_UNSET_KEY"), "{stderr}");
+    let serve = Lattice::try_start(config).await.err().expect("serve needs the key");
+    assert!(serve.contains("LATTICE_TEST_UNSET_KEY"), "{serve}");
 }
 
 /// ListAgents and GetAgent describe the agents, their tools and their hooks
