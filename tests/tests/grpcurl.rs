@@ -40,7 +40,9 @@ async fn grpcurl_lists_describes_queries_and_checks_health() {
     let tools = grpcurl(&["-plaintext", &addr, "describe", "lattice.tools.v1.ToolService"]);
     assert!(tools.contains("rpc CallTool"), "{tools}");
     let reply = grpcurl(&["-plaintext", &addr, "describe", "lattice.hooks.v1.OnModelRequestResponse"]);
-    assert!(reply.contains("optional string system") || reply.contains("string system"), "{reply}");
+    // Presence (proto3 `optional`) is what makes "unset = keep" explicit to
+    // hook authors: describe must show it.
+    assert!(reply.contains("optional string system"), "{reply}");
 
     let query = grpcurl(&[
         "-plaintext",
