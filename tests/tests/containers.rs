@@ -294,11 +294,9 @@ async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     docker(&["kill", "--signal", "TERM", on.server.id()]);
     let signalled = Instant::now();
+    // The query in flight when SIGTERM came finishes, with its result.
     let out = in_flight.await.unwrap();
-    match &out.status {
-        None => assert_eq!(out.ok().text, "model saw clean[h]"),
-        Some(s) => assert!(matches!(s.code(), Code::Unavailable | Code::Cancelled), "not a clean failure: {s:?}"),
-    }
+    assert_eq!(out.ok().text, "model saw clean[h]");
     while on.server.is_running().await.unwrap_or(false) {
         assert!(signalled.elapsed() < Duration::from_secs(5), "the server did not exit after SIGTERM");
         tokio::time::sleep(Duration::from_millis(50)).await;
