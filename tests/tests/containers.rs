@@ -24,7 +24,6 @@ use lattice_tests::{
     tool::{ToolDef, ToolServer},
 };
 use testcontainers::{ContainerAsync, GenericImage};
-use tonic::Code;
 
 /// One agent: a tool call, then an answer echoing what reached the model.
 fn agent_with(tools: &str, hooks: &[(&str, &str, u64)]) -> String {
