@@ -12,18 +12,20 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 mod ordered;
 
 use futures_util::future::BoxFuture;
-use lattice_proto::hooks::v1 as hpb;
 use tokio::{sync::mpsc, time::Instant};
 use tracing::{debug, info, warn};
 
 use crate::{
     config::{AgentDef, Config, ServerSettings},
-    domain::{AssistantReply, Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage, text_of},
-    hooks::{ChainError, HookChain, HookCtx, HookError, ToolCallView},
+    domain::{
+        AssistantReply, Block, Message, ModelRequest, ResultSource, Role, Scope, Step, StopReason, ToolErrorKind,
+        ToolResult, ToolUse, Usage, text_of,
+    },
+    hooks::{ChainError, HookChain, HookError, ToolCallView},
     metrics::{Family, Metrics},
-    model::{self, DeltaSink, Model, ModelContext, ModelError, ModelSetupError},
-    tools::{AgentTools, Binding, CallCtx, CallOutcome, RawResult, ToolSetupError, call_remote},
-    trace::{TraceEvent, TraceScope, Tracer},
+    model::{self, DeltaSink, Model, ModelError, ModelSetupError},
+    tools::{AgentTools, Binding, CallOutcome, RawResult, ToolSetupError, call_remote},
+    trace::{TraceEvent, Tracer},
 };
 
 /// What a query streams, in order (domain form; the service converts).
@@ -117,15 +119,12 @@ pub struct RunOutcome {
     pub usage: Usage,
 }
 
-/// One query's context, shared by its turns.
+/// One agent run's context, shared by its turns.
 #[derive(Debug, Clone)]
 pub struct RunCtx {
-    /// The client-facing query id (shared with delegated runs).
-    pub query_id: String,
-    /// This run's session.
-    pub session_id: String,
-    /// The query's deadline (a delegated run's may be earlier).
-    pub deadline: Instant,
+    /// Whose work it is: agent, session, query and deadline (a delegated
+    /// run's deadline may be earlier than the query's).
+    pub scope: Scope,
     /// 0 for the client's agent, +1 per delegation.
     pub depth: u32,
     /// Where events go (`None` for delegated runs: only their final text
@@ -144,8 +143,8 @@ impl RunCtx {
         }
     }
 
-    fn hook_ctx(&self, turn: u32) -> HookCtx<'_> {
-        HookCtx { session_id: &self.session_id, query_id: &self.query_id, turn, deadline: self.deadline }
+    fn step(&self, turn: u32) -> Step<'_> {
+        Step { scope: &self.scope, turn }
     }
 }
 
@@ -255,11 +254,7 @@ impl Runtime {
         mut messages: Vec<Message>,
         prompt: String,
     ) -> Result<RunOutcome, AgentError> {
-        let scope = TraceScope {
-            agent: agent.def.name.clone(),
-            session_id: ctx.session_id.clone(),
-            query_id: ctx.query_id.clone(),
-        };
+        let scope = &ctx.scope;
         push_prompt(&mut messages, prompt);
         let mut usage = Usage::default();
         let mut last_text = String::new();
@@ -270,8 +265,8 @@ impl Runtime {
                 messages: messages.clone(),
                 tools: agent.tools.specs.clone(),
             };
-            let request = agent.hooks.on_model_request(&ctx.hook_ctx(turn), request).await?;
-            self.tracer.emit(&scope, TraceEvent::ModelRequest { turn, request: &request }).await;
+            let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
+            self.tracer.emit(scope, TraceEvent::ModelRequest { turn, request: &request }).await;
             if ctx.include_model_requests {
                 ctx.send(Event::ModelRequest { turn, request: request.clone() }).await;
             }
@@ -281,7 +276,7 @@ impl Runtime {
             usage += reply.usage;
             self.tracer
                 .emit(
-                    &scope,
+                    scope,
                     TraceEvent::AssistantMessage {
                         turn,
                         content: &reply.content,
@@ -294,7 +289,7 @@ impl Runtime {
             last_text = text_of(&reply.content);
             let uses: Vec<ToolUse> = reply.tool_uses().cloned().collect();
             for u in &uses {
-                self.tracer.emit(&scope, TraceEvent::ToolUse { turn, id: &u.id, name: &u.name }).await;
+                self.tracer.emit(scope, TraceEvent::ToolUse { turn, id: &u.id, name: &u.name }).await;
             }
             if !reply.content.is_empty() {
                 messages.push(Message { role: Role::Assistant, content: reply.content });
@@ -308,7 +303,7 @@ impl Runtime {
                     usage,
                 });
             }
-            let results = self.run_tools(agent, ctx, &scope, turn, &uses).await?;
+            let results = self.run_tools(agent, ctx, turn, &uses).await?;
             messages.push(Message { role: Role::User, content: results.into_iter().map(Block::ToolResult).collect() });
         }
         Ok(RunOutcome {
@@ -331,13 +326,8 @@ impl Runtime {
         request: &ModelRequest,
     ) -> Result<AssistantReply, AgentError> {
         let labels = vec![("agent", agent.def.name.clone()), ("provider", agent.def.model.provider().to_owned())];
-        let record = self.metrics.start_call(Family::ModelRequests, Family::ModelRequestDuration, labels, ctx.deadline);
-        let mctx = ModelContext {
-            agent: agent.def.name.clone(),
-            query_id: ctx.query_id.clone(),
-            turn,
-            deadline: ctx.deadline,
-        };
+        let deadline = ctx.scope.deadline;
+        let record = self.metrics.start_call(Family::ModelRequests, Family::ModelRequestDuration, labels, deadline);
         // The sink is inactive for delegated runs (no client to see it).
         let (delta_tx, mut delta_rx) = mpsc::unbounded_channel();
         let sink = if ctx.events.is_some() {
@@ -347,19 +337,19 @@ impl Runtime {
             drop(delta_tx);
             DeltaSink::default()
         };
-        let complete = agent.model.complete(request, &mctx, sink);
+        let complete = agent.model.complete(request, ctx.step(turn), sink);
         let forward = async {
             while let Some(text) = delta_rx.recv().await {
                 ctx.send(Event::TextDelta { turn, text }).await;
             }
         };
         // On the deadline the record is dropped unfinished: counted as such.
-        let (reply, ()) = tokio::time::timeout_at(ctx.deadline, async { tokio::join!(complete, forward) })
+        let (reply, ()) = tokio::time::timeout_at(deadline, async { tokio::join!(complete, forward) })
             .await
             .map_err(|_| AgentError::DeadlineExceeded)?;
         match reply {
             // The model gave up as the query's deadline passed.
-            Err(_) if Instant::now() >= ctx.deadline => Err(AgentError::DeadlineExceeded),
+            Err(_) if Instant::now() >= deadline => Err(AgentError::DeadlineExceeded),
             Err(e) => {
                 record.finish(e.kind.as_str());
                 Err(e.into())
@@ -383,20 +373,19 @@ impl Runtime {
         &self,
         agent: &Arc<AgentRuntime>,
         ctx: &RunCtx,
-        scope: &TraceScope,
         turn: u32,
         uses: &[ToolUse],
     ) -> Result<Vec<ToolResult>, AgentError> {
         let mut calls = Vec::with_capacity(uses.len());
         for (i, u) in uses.iter().enumerate() {
-            calls.push(self.run_tool(agent, ctx, scope, turn, i, u));
+            calls.push(self.run_tool(agent, ctx, turn, i, u));
         }
         let mut ordered = ordered::InOrder::new(calls, agent.def.parallel_tool_calls);
         let mut results = Vec::with_capacity(uses.len());
         while let Some(done) = ordered.next().await {
             let (result, outcome, duration) = done?;
             let call = &uses[results.len()];
-            self.release_result(agent, ctx, scope, turn, call, &result, outcome, duration).await;
+            self.release_result(agent, ctx, turn, call, &result, outcome, duration).await;
             results.push(result);
         }
         Ok(results)
@@ -408,7 +397,6 @@ impl Runtime {
         &self,
         agent: &AgentRuntime,
         ctx: &RunCtx,
-        scope: &TraceScope,
         turn: u32,
         call: &ToolUse,
         result: &ToolResult,
@@ -417,7 +405,7 @@ impl Runtime {
     ) {
         let outcome_name = outcome_name(outcome);
         self.tracer
-            .emit(scope, TraceEvent::ToolResult { turn, tool_name: &call.name, result, outcome: outcome_name })
+            .emit(&ctx.scope, TraceEvent::ToolResult { turn, tool_name: &call.name, result, outcome: outcome_name })
             .await;
         debug!(agent = %agent.def.name, turn, tool = %call.name, tool_use_id = %call.id, outcome = outcome_name, bytes = result.len(), is_error = result.is_error, elapsed_ms = duration.as_millis() as u64, "tool result");
         ctx.send(Event::ToolResult { turn, tool_name: call.name.clone(), result: result.clone(), outcome, duration })
@@ -429,12 +417,11 @@ impl Runtime {
         &self,
         agent: &Arc<AgentRuntime>,
         ctx: &RunCtx,
-        scope: &TraceScope,
         turn: u32,
         index: usize,
         call: &ToolUse,
     ) -> Result<(usize, (ToolResult, CallOutcome, Duration)), AgentError> {
-        use hpb::ToolErrorKind as K;
+        use ToolErrorKind as K;
         let started = Instant::now();
         let def = &agent.def;
         let raw = if index >= def.max_tool_calls_per_turn {
@@ -465,16 +452,14 @@ impl Runtime {
                         agent: agent.clone(),
                         tracer: self.tracer.clone(),
                         metrics: self.metrics.clone(),
-                        scope: scope.clone(),
+                        scope: ctx.scope.clone(),
                         call: call.clone(),
                         turn,
                     };
-                    let call_deadline = ctx.deadline.min(Instant::now() + binding.deadline());
+                    let call_deadline = ctx.scope.deadline.min(Instant::now() + binding.deadline());
                     let raw = match binding {
                         Binding::Remote { client, addresses, endpoint, .. } => {
-                            let cctx =
-                                CallCtx { agent: &def.name, session_id: &ctx.session_id, query_id: &ctx.query_id };
-                            call_remote(client, addresses, endpoint, call, &cctx, call_deadline).await
+                            call_remote(client, addresses, endpoint, call, &ctx.scope, call_deadline).await
                         }
                         Binding::Agent { agent: target, .. } => self.delegate(ctx, call, target, call_deadline).await?,
                     };
@@ -495,7 +480,7 @@ impl Runtime {
             error: raw.error,
             source: raw.source,
         };
-        let result = agent.hooks.on_tool_result(&ctx.hook_ctx(turn), &view, raw.result).await?;
+        let result = agent.hooks.on_tool_result(ctx.step(turn), &view, raw.result).await?;
         Ok((index, (result, raw.outcome, started.elapsed())))
     }
 
@@ -508,14 +493,10 @@ impl Runtime {
         target: &str,
         deadline: Instant,
     ) -> Result<RawResult, AgentError> {
-        use hpb::ToolErrorKind as K;
-        let source = hpb::ResultSource { kind: hpb::SourceKind::DelegatedAgent as i32, name: target.to_owned() };
-        let fail = |kind: K, message: String, outcome| RawResult {
-            result: ToolResult::text(&call.id, message.clone(), true),
-            error: Some(hpb::ToolError { kind: kind as i32, message }),
-            source: source.clone(),
-            outcome,
-        };
+        use ToolErrorKind as K;
+        let source = ResultSource::DelegatedAgent(target.to_owned());
+        let fail =
+            |kind: K, message: String, outcome| RawResult::failed(&call.id, kind, message, source.clone(), outcome);
         if ctx.depth + 1 > self.settings.max_delegation_depth {
             let msg = format!(
                 "agent {target:?} was not called: delegation depth limit ({}) reached",
@@ -530,14 +511,17 @@ impl Runtime {
             return Ok(fail(K::Delegation, format!("no agent {target:?}"), CallOutcome::Blocked));
         };
         let child_ctx = RunCtx {
-            query_id: ctx.query_id.clone(),
-            session_id: uuid::Uuid::new_v4().to_string(),
-            deadline,
+            scope: Scope {
+                agent: target.to_owned(),
+                session_id: uuid::Uuid::new_v4().to_string(),
+                query_id: ctx.scope.query_id.clone(),
+                deadline,
+            },
             depth: ctx.depth + 1,
             events: None,
             include_model_requests: false,
         };
-        info!(parent_session = %ctx.session_id, agent = %target, session_id = %child_ctx.session_id, depth = child_ctx.depth, "delegating");
+        info!(parent_session = %ctx.scope.session_id, agent = %target, session_id = %child_ctx.scope.session_id, depth = child_ctx.depth, "delegating");
         match self.run(child, &child_ctx, Vec::new(), prompt.to_owned()).await {
             Ok(out) => Ok(RawResult {
                 result: ToolResult::text(&call.id, out.text, false),
@@ -546,7 +530,9 @@ impl Runtime {
                 outcome: CallOutcome::Executed,
             }),
             Err(AgentError::Hook(e)) => Err(AgentError::Hook(e)),
-            Err(AgentError::DeadlineExceeded) if Instant::now() >= ctx.deadline => Err(AgentError::DeadlineExceeded),
+            Err(AgentError::DeadlineExceeded) if Instant::now() >= ctx.scope.deadline => {
+                Err(AgentError::DeadlineExceeded)
+            }
             Err(AgentError::DeadlineExceeded) => {
                 Ok(fail(K::Deadline, format!("agent {target:?} did not finish in time"), CallOutcome::Failed))
             }
@@ -560,7 +546,7 @@ impl Runtime {
 }
 
 fn check_deadline(ctx: &RunCtx) -> Result<(), AgentError> {
-    if Instant::now() >= ctx.deadline { Err(AgentError::DeadlineExceeded) } else { Ok(()) }
+    if Instant::now() >= ctx.scope.deadline { Err(AgentError::DeadlineExceeded) } else { Ok(()) }
 }
 
 /// Appends the prompt as a user message (merged into a trailing user
@@ -605,7 +591,7 @@ struct CancelGuard {
     agent: Arc<AgentRuntime>,
     tracer: Tracer,
     metrics: Arc<Metrics>,
-    scope: TraceScope,
+    scope: Scope,
     call: ToolUse,
     turn: u32,
 }
@@ -626,17 +612,13 @@ impl Drop for CancelGuard {
             return;
         }
         let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
-        let (agent, tracer, scope, call, turn) =
-            (self.agent.clone(), self.tracer.clone(), self.scope.clone(), self.call.clone(), self.turn);
+        let (agent, tracer, call, turn) = (self.agent.clone(), self.tracer.clone(), self.call.clone(), self.turn);
+        // The query is over: these calls get a deadline of their own.
+        let deadline = Instant::now() + agent.def.hooks.iter().map(|h| h.deadline).sum::<Duration>();
+        let scope = Scope { deadline, ..self.scope.clone() };
         handle.spawn(async move {
             let msg = "tool call cancelled: the query was aborted".to_owned();
-            let raw = RawResult::lattice(&call.id, hpb::ToolErrorKind::Cancelled, msg, CallOutcome::Cancelled);
-            let ctx = HookCtx {
-                session_id: &scope.session_id,
-                query_id: &scope.query_id,
-                turn,
-                deadline: Instant::now() + agent.def.hooks.iter().map(|h| h.deadline).sum::<Duration>(),
-            };
+            let raw = RawResult::lattice(&call.id, ToolErrorKind::Cancelled, msg, CallOutcome::Cancelled);
             let view = ToolCallView {
                 tool_name: &call.name,
                 tool_use_id: &call.id,
@@ -644,7 +626,7 @@ impl Drop for CancelGuard {
                 error: raw.error,
                 source: raw.source,
             };
-            match agent.hooks.on_tool_result(&ctx, &view, raw.result).await {
+            match agent.hooks.on_tool_result(Step { scope: &scope, turn }, &view, raw.result).await {
                 Ok(result) => {
                     tracer
                         .emit(

@@ -8,7 +8,12 @@ use lattice_proto::agent::v1 as pb;
 use prost_types::value::Kind;
 use serde_json::{Map, Number, Value};
 
-use crate::domain::{Block, JsonObject, Message, ModelRequest, Role, StopReason, ToolResult, ToolSpec, ToolUse, Usage};
+use lattice_proto::hooks::v1 as hpb;
+
+use crate::domain::{
+    Block, JsonObject, Message, ModelRequest, ResultSource, Role, StopReason, ToolErrorKind, ToolFailure, ToolResult,
+    ToolSpec, ToolUse, Usage,
+};
 
 /// A proto value that has no domain meaning. Names the field, never content.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -188,6 +193,33 @@ impl From<StopReason> for pb::StopReason {
 impl From<Usage> for pb::Usage {
     fn from(u: Usage) -> Self {
         Self { input_tokens: u.input_tokens, output_tokens: u.output_tokens }
+    }
+}
+
+impl From<&ToolFailure> for hpb::ToolError {
+    fn from(f: &ToolFailure) -> Self {
+        let kind = match f.kind {
+            ToolErrorKind::ToolError => hpb::ToolErrorKind::ToolError,
+            ToolErrorKind::RpcFailed => hpb::ToolErrorKind::RpcFailed,
+            ToolErrorKind::Deadline => hpb::ToolErrorKind::Deadline,
+            ToolErrorKind::PermissionDenied => hpb::ToolErrorKind::PermissionDenied,
+            ToolErrorKind::BatchLimit => hpb::ToolErrorKind::BatchLimit,
+            ToolErrorKind::UnknownTool => hpb::ToolErrorKind::UnknownTool,
+            ToolErrorKind::Cancelled => hpb::ToolErrorKind::Cancelled,
+            ToolErrorKind::Delegation => hpb::ToolErrorKind::Delegation,
+        };
+        Self { kind: kind as i32, message: f.message.clone() }
+    }
+}
+
+impl From<&ResultSource> for hpb::ResultSource {
+    fn from(s: &ResultSource) -> Self {
+        let (kind, name) = match s {
+            ResultSource::ToolService(endpoint) => (hpb::SourceKind::ToolService, endpoint.clone()),
+            ResultSource::DelegatedAgent(agent) => (hpb::SourceKind::DelegatedAgent, agent.clone()),
+            ResultSource::Lattice => (hpb::SourceKind::Lattice, String::new()),
+        };
+        Self { kind: kind as i32, name }
     }
 }
 

@@ -167,6 +167,71 @@ impl Message {
     }
 }
 
+/// Whose work a step is: one per agent run (a delegated run has its own),
+/// shared by reference with every step of the run: hook calls, tool calls,
+/// model requests and trace events.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    /// The agent that runs.
+    pub agent: String,
+    /// The session it runs in.
+    pub session_id: String,
+    /// The client-facing query (shared by delegated runs).
+    pub query_id: String,
+    /// The run's deadline: nothing under it outlives it.
+    pub deadline: tokio::time::Instant,
+}
+
+/// One step of a run: its scope and its 1-based turn.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    /// The run.
+    pub scope: &'a Scope,
+    /// 1-based turn (model request number).
+    pub turn: u32,
+}
+
+/// Why a tool call did not execute successfully, as the hooks are told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolErrorKind {
+    /// The tool answered `is_error`.
+    ToolError,
+    /// Its RPC failed.
+    RpcFailed,
+    /// It did not answer in time.
+    Deadline,
+    /// The agent may not call it.
+    PermissionDenied,
+    /// Over the per-reply limit.
+    BatchLimit,
+    /// No such tool.
+    UnknownTool,
+    /// The query was aborted while it ran.
+    Cancelled,
+    /// A delegated agent could not run.
+    Delegation,
+}
+
+/// A tool call's failure: its kind and a short description (no tool output).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolFailure {
+    /// The kind.
+    pub kind: ToolErrorKind,
+    /// What happened.
+    pub message: String,
+}
+
+/// What produced a tool result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResultSource {
+    /// A remote tool service, by endpoint.
+    ToolService(String),
+    /// A delegated agent, by name.
+    DelegatedAgent(String),
+    /// Lattice itself (blocked, unknown, cancelled).
+    Lattice,
+}
+
 /// The concatenated text blocks of a content list.
 pub fn text_of(content: &[Block]) -> String {
     let mut out = String::new();

@@ -32,7 +32,9 @@ use transport::Probe;
 use crate::{
     config::{HookDef, HookEvents},
     convert::{self, DecodeError},
-    domain::{JsonObject, Message, ModelRequest, Role, ToolResult, validate_conversation},
+    domain::{
+        JsonObject, Message, ModelRequest, ResultSource, Role, Step, ToolFailure, ToolResult, validate_conversation,
+    },
     metrics::{Family, Metrics},
     peer::{Addresses, Peer},
     status::code_name,
@@ -179,19 +181,6 @@ impl fmt::Display for HookSubject {
     }
 }
 
-/// Where a hook call comes from.
-#[derive(Debug, Clone)]
-pub struct HookCtx<'a> {
-    /// The session.
-    pub session_id: &'a str,
-    /// The query.
-    pub query_id: &'a str,
-    /// 1-based turn.
-    pub turn: u32,
-    /// The query's deadline: no hook call outlives it.
-    pub deadline: Instant,
-}
-
 /// A tool call as the OnToolResult hooks see it.
 #[derive(Debug, Clone)]
 pub struct ToolCallView<'a> {
@@ -202,9 +191,9 @@ pub struct ToolCallView<'a> {
     /// The model's raw input.
     pub input: &'a JsonObject,
     /// Why it did not execute successfully, if so.
-    pub error: Option<pb::ToolError>,
+    pub error: Option<ToolFailure>,
     /// What produced the result.
-    pub source: pb::ResultSource,
+    pub source: ResultSource,
 }
 
 /// One hook, ready to call.
@@ -287,20 +276,20 @@ impl HookChain {
     /// Passes a tool result through every OnToolResult hook, in order.
     pub async fn on_tool_result(
         &self,
-        ctx: &HookCtx<'_>,
+        step: Step<'_>,
         call: &ToolCallView<'_>,
         mut result: ToolResult,
     ) -> Result<ToolResult, ChainError> {
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
         for hook in self.hooks.iter().filter(|h| h.events.tool_result) {
             let request = pb::OnToolResultRequest {
-                context: Some(self.context(ctx)),
+                context: Some(self.context(step)),
                 tool_name: call.tool_name.to_owned(),
                 tool_use_id: call.tool_use_id.to_owned(),
                 input: Some(convert::to_struct(call.input)),
                 result: Some((&result).into()),
-                error: call.error.clone(),
-                source: Some(call.source.clone()),
+                error: call.error.as_ref().map(Into::into),
+                source: Some((&call.source).into()),
             };
             let mut client = hook.client.clone();
             let send = |req| async move { client.on_tool_result(req).await };
@@ -311,7 +300,7 @@ impl HookChain {
                 }
                 replacement => Ok(replacement.map(ToolResult::from)),
             };
-            let replacement = self.call(hook, ctx, HookEvent::ToolResult, subject(), request, send, accept).await?;
+            let replacement = self.call(hook, step, HookEvent::ToolResult, subject(), request, send, accept).await?;
             if let Some(r) = replacement {
                 result = r;
             }
@@ -323,7 +312,7 @@ impl HookChain {
     /// The result is for this one request: the caller's history is untouched.
     pub async fn on_model_request(
         &self,
-        ctx: &HookCtx<'_>,
+        step: Step<'_>,
         mut request: ModelRequest,
     ) -> Result<ModelRequest, ChainError> {
         if !self.hooks.iter().any(|h| h.events.model_request) {
@@ -334,7 +323,7 @@ impl HookChain {
         // A conversation that outgrew the hook limit goes on in a window of
         // its newest messages: the hooks and the model see the same one.
         let base = pb::OnModelRequestRequest {
-            context: Some(self.context(ctx)),
+            context: Some(self.context(step)),
             system: request.system.clone(),
             messages: Vec::new(),
             tools: tools.clone(),
@@ -342,14 +331,14 @@ impl HookChain {
         };
         let omitted = window(&request.messages, &messages, base.encoded_len(), self.max_message_bytes);
         if omitted > 0 {
-            info!(agent = %self.agent, turn = ctx.turn, omitted, kept = messages.len() - omitted, limit = self.max_message_bytes, "model request cut to the hook message limit");
+            info!(agent = %self.agent, turn = step.turn, omitted, kept = messages.len() - omitted, limit = self.max_message_bytes, "model request cut to the hook message limit");
             request.messages.drain(..omitted);
             messages.drain(..omitted);
         }
         let mut first = Some(messages);
         for hook in self.hooks.iter().filter(|h| h.events.model_request) {
             let pb_request = pb::OnModelRequestRequest {
-                context: Some(self.context(ctx)),
+                context: Some(self.context(step)),
                 system: request.system.clone(),
                 // Converted once for the first hook, then from what the
                 // previous hook left.
@@ -359,9 +348,9 @@ impl HookChain {
             };
             let mut client = hook.client.clone();
             let send = |req| async move { client.on_model_request(req).await };
-            let subject = HookSubject::Turn(ctx.turn);
+            let subject = HookSubject::Turn(step.turn);
             let (replacement, system) =
-                self.call(hook, ctx, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await?;
+                self.call(hook, step, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await?;
             if let Some(replaced) = replacement {
                 request.messages = replaced;
             }
@@ -372,12 +361,12 @@ impl HookChain {
         Ok(request)
     }
 
-    fn context(&self, ctx: &HookCtx<'_>) -> pb::HookContext {
+    fn context(&self, step: Step<'_>) -> pb::HookContext {
         pb::HookContext {
             agent: self.agent.clone(),
-            session_id: ctx.session_id.to_owned(),
-            query_id: ctx.query_id.to_owned(),
-            turn: ctx.turn,
+            session_id: step.scope.session_id.clone(),
+            query_id: step.scope.query_id.clone(),
+            turn: step.turn,
         }
     }
 
@@ -388,7 +377,7 @@ impl HookChain {
     async fn call<Req, Resp, T, F, Fut>(
         &self,
         hook: &Hook,
-        ctx: &HookCtx<'_>,
+        step: Step<'_>,
         event: HookEvent,
         subject: HookSubject,
         message: Req,
@@ -403,8 +392,8 @@ impl HookChain {
         let started = Instant::now();
         let hook_deadline = started + hook.deadline;
         // Whose deadline ends the call: the hook's own, or the query's.
-        let cut_by_query = ctx.deadline < hook_deadline;
-        let call_deadline = ctx.deadline.min(hook_deadline);
+        let cut_by_query = step.scope.deadline < hook_deadline;
+        let call_deadline = step.scope.deadline.min(hook_deadline);
         let labels = vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
         // Counted however the call ends, dropped mid-flight included.
         let record = self.metrics.start_call(Family::HookCalls, Family::HookCallDuration, labels, call_deadline);

@@ -15,12 +15,13 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::{
     agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
+    domain::Scope,
     metrics::Family,
     peer,
     session::{SessionStore, StoreError},
     status,
     tools::{Binding, CallOutcome},
-    trace::{TraceEvent, TraceScope},
+    trace::TraceEvent,
 };
 
 /// How long past the query's deadline the loop may take to report its own,
@@ -208,10 +209,14 @@ impl AgentService for AgentSvc {
         let (out_tx, out_rx) = mpsc::channel::<Out>(32);
         let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(32);
         let runtime = self.runtime.clone();
-        let ctx = RunCtx {
-            query_id: query_id.clone(),
+        let scope = Scope {
+            agent: agent.def.name.clone(),
             session_id: session_id.clone(),
+            query_id: query_id.clone(),
             deadline,
+        };
+        let ctx = RunCtx {
+            scope: scope.clone(),
             depth: 0,
             events: Some(ev_tx),
             include_model_requests: req.include_model_requests,
@@ -221,7 +226,6 @@ impl AgentService for AgentSvc {
         let driver = async move {
             let _permit = permit;
             let _in_flight = in_flight;
-            let scope = TraceScope { agent: agent.def.name.clone(), session_id, query_id: ctx.query_id.clone() };
             let _ = out_tx.send(Out::Event(PbEvent::Started(started))).await;
             let history = lease.session.messages.clone();
             let run = runtime.run(&agent, &ctx, history, req.prompt);

@@ -6,7 +6,7 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use lattice_proto::{hooks::v1 as hpb, tools::v1 as pb};
+use lattice_proto::tools::v1 as pb;
 use serde_json::Value;
 use tokio::time::Instant;
 use tonic::transport::Channel;
@@ -15,7 +15,7 @@ use tracing::{debug, info};
 use crate::{
     config::{AgentDef, ServerSettings},
     convert,
-    domain::{JsonObject, ToolResult, ToolSpec, ToolUse},
+    domain::{JsonObject, ResultSource, Scope, ToolErrorKind, ToolFailure, ToolResult, ToolSpec, ToolUse},
     peer::{Addresses, Peer},
 };
 
@@ -80,20 +80,31 @@ pub struct RawResult {
     /// The result block.
     pub result: ToolResult,
     /// Why it did not execute successfully, if so.
-    pub error: Option<hpb::ToolError>,
+    pub error: Option<ToolFailure>,
     /// What produced it.
-    pub source: hpb::ResultSource,
+    pub source: ResultSource,
     /// How the call went.
     pub outcome: CallOutcome,
 }
 
 impl RawResult {
     /// A result Lattice makes itself (blocked, unknown, cancelled).
-    pub fn lattice(tool_use_id: &str, kind: hpb::ToolErrorKind, message: String, outcome: CallOutcome) -> Self {
+    pub fn lattice(tool_use_id: &str, kind: ToolErrorKind, message: String, outcome: CallOutcome) -> Self {
+        Self::failed(tool_use_id, kind, message, ResultSource::Lattice, outcome)
+    }
+
+    /// An error result for the model, with what the hooks are told about it.
+    pub fn failed(
+        tool_use_id: &str,
+        kind: ToolErrorKind,
+        message: String,
+        source: ResultSource,
+        outcome: CallOutcome,
+    ) -> Self {
         Self {
             result: ToolResult::text(tool_use_id, message.clone(), true),
-            error: Some(hpb::ToolError { kind: kind as i32, message }),
-            source: hpb::ResultSource { kind: hpb::SourceKind::Lattice as i32, name: String::new() },
+            error: Some(ToolFailure { kind, message }),
+            source,
             outcome,
         }
     }
@@ -268,17 +279,6 @@ async fn discover(
     }
 }
 
-/// Where a tool call comes from (sent to the tool service).
-#[derive(Debug, Clone)]
-pub struct CallCtx<'a> {
-    /// The agent.
-    pub agent: &'a str,
-    /// The session.
-    pub session_id: &'a str,
-    /// The query.
-    pub query_id: &'a str,
-}
-
 /// Calls a remote tool within `deadline`. Never fails: every failure is an
 /// error result for the model. Dropping the future cancels the RPC (the
 /// HTTP/2 stream is reset, which the tool service observes).
@@ -287,17 +287,13 @@ pub async fn call_remote(
     addresses: &Addresses,
     endpoint: &str,
     call: &ToolUse,
-    ctx: &CallCtx<'_>,
+    scope: &Scope,
     deadline: Instant,
 ) -> RawResult {
-    use hpb::ToolErrorKind as K;
-    let source = hpb::ResultSource { kind: hpb::SourceKind::ToolService as i32, name: endpoint.to_owned() };
-    let failed = |kind: K, message: String| RawResult {
-        result: ToolResult::text(&call.id, message.clone(), true),
-        error: Some(hpb::ToolError { kind: kind as i32, message }),
-        source: source.clone(),
-        outcome: CallOutcome::Failed,
-    };
+    use ToolErrorKind as K;
+    let source = ResultSource::ToolService(endpoint.to_owned());
+    let failed =
+        |kind: K, message: String| RawResult::failed(&call.id, kind, message, source.clone(), CallOutcome::Failed);
     let budget = deadline.saturating_duration_since(Instant::now());
     if budget.is_zero() {
         return failed(K::Deadline, format!("tool {:?} was not called: no time left", call.name));
@@ -310,9 +306,9 @@ pub async fn call_remote(
         name: call.name.clone(),
         input: Some(convert::to_struct(&call.input)),
         context: Some(pb::CallContext {
-            agent: ctx.agent.to_owned(),
-            session_id: ctx.session_id.to_owned(),
-            query_id: ctx.query_id.to_owned(),
+            agent: scope.agent.clone(),
+            session_id: scope.session_id.clone(),
+            query_id: scope.query_id.clone(),
         }),
     });
     request.set_timeout(budget);
@@ -337,7 +333,7 @@ pub async fn call_remote(
             let result = ToolResult { tool_use_id: call.id.clone(), content, is_error: reply.is_error };
             let error = reply
                 .is_error
-                .then(|| hpb::ToolError { kind: K::ToolError as i32, message: "the tool reported an error".into() });
+                .then(|| ToolFailure { kind: K::ToolError, message: "the tool reported an error".into() });
             RawResult { result, error, source, outcome: CallOutcome::Executed }
         }
     }

@@ -12,7 +12,7 @@ use serde::Serialize;
 use tokio::io::AsyncWriteExt;
 use tracing::{debug, trace, warn};
 
-use crate::domain::{Block, ModelRequest, StopReason, ToolResult, Usage};
+use crate::domain::{Block, ModelRequest, Scope, StopReason, ToolResult, Usage};
 
 /// One trace event.
 #[derive(Debug, Serialize)]
@@ -89,17 +89,6 @@ impl TraceEvent<'_> {
     }
 }
 
-/// Where an event belongs.
-#[derive(Debug, Clone)]
-pub struct TraceScope {
-    /// The agent.
-    pub agent: String,
-    /// The session.
-    pub session_id: String,
-    /// The query.
-    pub query_id: String,
-}
-
 #[derive(Serialize)]
 struct Line<'a> {
     ts_ms: u128,
@@ -123,7 +112,7 @@ impl Tracer {
     }
 
     /// Records one event.
-    pub async fn emit(&self, scope: &TraceScope, event: TraceEvent<'_>) {
+    pub async fn emit(&self, scope: &Scope, event: TraceEvent<'_>) {
         let ts_ms =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
         let line = Line {

@@ -14,7 +14,11 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint, Server};
 
 use super::*;
-use crate::{config::HookEvents, domain::JsonObject, metrics::Metrics};
+use crate::{
+    config::HookEvents,
+    domain::{JsonObject, Scope},
+    metrics::Metrics,
+};
 
 /// A hook that waits `delay`, then appends `marker` to the result's text;
 /// it records the grpc-timeout of each call it receives.
@@ -99,11 +103,12 @@ async fn fold(chain: &HookChain, deadline: Instant) -> (Result<ToolResult, Chain
         tool_use_id: "toolu_1",
         input: &input,
         error: None,
-        source: pb::ResultSource::default(),
+        source: ResultSource::ToolService("in-process".into()),
     };
-    let ctx = HookCtx { session_id: "s", query_id: "q", turn: 1, deadline };
+    let scope = Scope { agent: "agent".into(), session_id: "s".into(), query_id: "q".into(), deadline };
     let started = Instant::now();
-    let out = chain.on_tool_result(&ctx, &view, ToolResult::text("toolu_1", "x", false)).await;
+    let out =
+        chain.on_tool_result(Step { scope: &scope, turn: 1 }, &view, ToolResult::text("toolu_1", "x", false)).await;
     (out, started.elapsed())
 }
 

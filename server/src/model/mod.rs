@@ -16,21 +16,8 @@ use tokio::sync::mpsc;
 
 use crate::{
     config::{ModelConfig, Provider},
-    domain::{AssistantReply, ModelRequest},
+    domain::{AssistantReply, ModelRequest, Step},
 };
-
-/// Where a model request comes from (for ids, logs and echo).
-#[derive(Debug, Clone)]
-pub struct ModelContext {
-    /// The agent.
-    pub agent: String,
-    /// The query's id.
-    pub query_id: String,
-    /// 1-based turn.
-    pub turn: u32,
-    /// The query's deadline: no attempt or retry wait goes past it.
-    pub deadline: tokio::time::Instant,
-}
 
 /// Why a model request failed. The message never carries request content,
 /// nor the API key.
@@ -95,12 +82,13 @@ impl DeltaSink {
 /// A model: turns a request into the assistant's reply.
 #[tonic::async_trait]
 pub trait Model: Send + Sync + std::fmt::Debug {
-    /// Sends one request; streaming models also send text to `deltas` as it
-    /// arrives. Dropping the future cancels the request.
+    /// Sends one request for `step` (whose scope's deadline it must not
+    /// outlive); streaming models also send text to `deltas` as it arrives.
+    /// Dropping the future cancels the request.
     async fn complete(
         &self,
         request: &ModelRequest,
-        ctx: &ModelContext,
+        step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError>;
 }

@@ -14,8 +14,8 @@ use serde_json::{Value, json};
 
 use super::http::{Failure, HttpModel, Wire, json_body, tool_input};
 use crate::{
-    domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
-    model::{DeltaSink, Model, ModelContext, ModelError, ModelErrorKind},
+    domain::{AssistantReply, Block, ModelRequest, Role, Step, StopReason, ToolUse, Usage},
+    model::{DeltaSink, Model, ModelError, ModelErrorKind},
 };
 
 /// How an error tool result's content starts.
@@ -237,9 +237,9 @@ impl Model for OpenAi {
     async fn complete(
         &self,
         request: &ModelRequest,
-        ctx: &ModelContext,
+        step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
-        self.0.execute(self, &body(&self.0, request), ctx.deadline, &deltas).await
+        self.0.execute(self, &body(&self.0, request), step.scope.deadline, &deltas).await
     }
 }

@@ -19,8 +19,8 @@
 
 use crate::{
     config::ScriptTurn,
-    domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
-    model::{DeltaSink, Model, ModelContext, ModelError},
+    domain::{AssistantReply, Block, ModelRequest, Role, Step, StopReason, ToolUse, Usage},
+    model::{DeltaSink, Model, ModelError},
 };
 
 /// The scripted model.
@@ -102,10 +102,10 @@ impl Model for Scripted {
     async fn complete(
         &self,
         request: &ModelRequest,
-        ctx: &ModelContext,
+        at: Step<'_>,
         _deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
-        let idx = ctx.turn.saturating_sub(1) as usize;
+        let idx = at.turn.saturating_sub(1) as usize;
         let mut content = Vec::new();
         let stop_reason = match (self.script.is_empty(), self.script.get(idx)) {
             (true, _) => {
@@ -121,12 +121,12 @@ impl Model for Scripted {
                     tokio::time::sleep(step.delay).await;
                 }
                 if let Some(t) = &step.text {
-                    content.push(Block::Text { text: render(t, request, ctx.turn) });
+                    content.push(Block::Text { text: render(t, request, at.turn) });
                 }
-                let prefix: String = ctx.query_id.chars().filter(|c| *c != '-').take(12).collect();
+                let prefix: String = at.scope.query_id.chars().filter(|c| *c != '-').take(12).collect();
                 for (i, (name, input)) in step.tool_calls.iter().enumerate() {
                     content.push(Block::ToolUse(ToolUse {
-                        id: format!("toolu_{prefix}_{}_{}", ctx.turn, i + 1),
+                        id: format!("toolu_{prefix}_{}_{}", at.turn, i + 1),
                         name: name.clone(),
                         input: input.clone(),
                     }));
