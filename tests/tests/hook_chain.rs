@@ -563,6 +563,32 @@ async fn metrics_count_queries_hook_calls_and_tool_calls() {
     assert!(!m.contains(&secret), "a payload reached the metrics:\n{m}");
 }
 
+/// A hook call cut short by the client going away is still counted, with
+/// outcome `cancelled`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_call_cut_short_by_a_cancel_is_counted() {
+    let hook = HookServer::start(Behaviour { hang: true, ..Default::default() }).await;
+    let config = cfg::agent("x", "") + &cfg::turn("hi", &[]) + &cfg::hook("h", &hook.url, &["model_request"], 5000);
+    let lattice = Lattice::start(&config).await;
+    let mut client = lattice.client().await;
+    let request =
+        lattice_proto::agent::v1::QueryRequest { agent: "x".into(), prompt: "hi".into(), ..Default::default() };
+    let stream = client.query(request).await.unwrap().into_inner();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while hook.state.model_requests().is_empty() {
+        assert!(Instant::now() < deadline, "the hook was never called");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(stream);
+    drop(client);
+    let series = r#"lattice_hook_calls_total{agent="x",hook="h",event="model_request",outcome="cancelled"}"#;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sample(&lattice.metrics().await, series) != Some(1.0) {
+        assert!(Instant::now() < deadline, "the cancelled call was not counted:\n{}", lattice.metrics().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A delegated agent runs its own chain: its tool results don't reach the
 /// parent's hooks, its final text does (as the parent's tool result), and
 /// its own hook failure aborts the whole query.
