@@ -82,6 +82,10 @@ pub enum AgentError {
     /// The client went away.
     #[error("the client cancelled the query")]
     Cancelled,
+    /// The session store failed (lease lost, unreachable, full): nothing
+    /// was written.
+    #[error(transparent)]
+    Store(#[from] crate::session::StoreError),
     /// An event of the query is larger than one message to the client may
     /// be: the query fails rather than send part of its output.
     #[error("the query's {event} event ({bytes} bytes) exceeds the message limit ({limit} bytes)")]
@@ -255,14 +259,14 @@ impl Runtime {
         prompt: String,
     ) -> Result<RunOutcome, AgentError> {
         let scope = &ctx.scope;
-        push_prompt(&mut messages, prompt);
+        messages.push(Message::user_text(prompt));
         let mut usage = Usage::default();
         let mut last_text = String::new();
         for turn in 1..=agent.def.max_turns {
             check_deadline(ctx)?;
             let request = ModelRequest {
                 system: agent.def.system_prompt.clone(),
-                messages: messages.clone(),
+                messages: as_request(&messages),
                 tools: agent.tools.specs.clone(),
             };
             let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
@@ -540,7 +544,7 @@ impl Runtime {
                 Ok(fail(K::Delegation, format!("agent {target:?} failed: {e}"), CallOutcome::Failed))
             }
             // A delegated run streams no events; passed on all the same.
-            Err(e @ (AgentError::Cancelled | AgentError::EventTooLarge { .. })) => Err(e),
+            Err(e @ (AgentError::Cancelled | AgentError::EventTooLarge { .. } | AgentError::Store(_))) => Err(e),
         }
     }
 }
@@ -549,13 +553,19 @@ fn check_deadline(ctx: &RunCtx) -> Result<(), AgentError> {
     if Instant::now() >= ctx.scope.deadline { Err(AgentError::DeadlineExceeded) } else { Ok(()) }
 }
 
-/// Appends the prompt as a user message (merged into a trailing user
-/// message, as after a run that stopped at max_turns, so roles alternate).
-fn push_prompt(messages: &mut Vec<Message>, prompt: String) {
-    match messages.last_mut() {
-        Some(last) if last.role == Role::User => last.content.push(Block::Text { text: prompt }),
-        _ => messages.push(Message::user_text(prompt)),
+/// The conversation as a model request carries it: adjacent messages of one
+/// role merged (a prompt after a run that stopped at max_turns follows the
+/// tool results), so roles alternate. The stored conversation is only ever
+/// appended to, so it keeps them apart.
+fn as_request(messages: &[Message]) -> Vec<Message> {
+    let mut merged: Vec<Message> = Vec::with_capacity(messages.len());
+    for m in messages {
+        match merged.last_mut() {
+            Some(last) if last.role == m.role => last.content.extend(m.content.iter().cloned()),
+            _ => merged.push(m.clone()),
+        }
     }
+    merged
 }
 
 /// Counts a tool call by outcome, before the hooks see its result. A name

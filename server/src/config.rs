@@ -67,6 +67,14 @@ pub mod defaults {
     pub const MODEL_DEADLINE_MS: u64 = 120_000;
     /// Retries of a model request.
     pub const MODEL_RETRIES: u32 = 3;
+    /// Sessions the memory store holds at most.
+    pub const MAX_SESSIONS: usize = 10_000;
+    /// Sessions untouched this long are deleted (a week).
+    pub const IDLE_TTL_S: u64 = 7 * 24 * 3600;
+    /// A crashed replica's lease expires after this.
+    pub const LEASE_TTL_MS: u64 = 15_000;
+    /// PostgreSQL connections per replica.
+    pub const POSTGRES_POOL_SIZE: usize = 16;
 }
 
 // ---------------------------------------------------------------- raw ----
@@ -76,7 +84,24 @@ struct RawConfig {
     #[serde(default)]
     server: RawServer,
     #[serde(default)]
+    sessions: RawSessions,
+    #[serde(default)]
     agents: Vec<RawAgent>,
+}
+
+/// `[sessions]`: where conversations live.
+#[derive(Debug, Default, Deserialize)]
+struct RawSessions {
+    /// "memory" (default) or "postgres".
+    store: Option<Spanned<String>>,
+    /// The environment variable holding the PostgreSQL connection string.
+    url_env: Option<Spanned<String>>,
+    lease_ttl_ms: Option<u64>,
+    idle_ttl_s: Option<u64>,
+    max_sessions: Option<usize>,
+    pool_size: Option<usize>,
+    /// "wait" (default): serve NOT_SERVING and retry; "exit": refuse to start.
+    on_unreachable: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -213,6 +238,7 @@ fn yes() -> bool {
 
 // Which tables sit under which keys (for the key check; see `document`).
 static ROOT: Shape = Shape { fields: fields_of::<RawConfig>, child: root_child };
+static SESSIONS: Shape = Shape { fields: fields_of::<RawSessions>, child: no_child };
 static SERVER: Shape = Shape { fields: fields_of::<RawServer>, child: no_child };
 static AGENT: Shape = Shape { fields: fields_of::<RawAgent>, child: agent_child };
 static MODEL: Shape = Shape { fields: fields_of::<RawModel>, child: model_child };
@@ -231,6 +257,7 @@ fn no_child(_: &str) -> Option<&'static Shape> {
 fn root_child(key: &str) -> Option<&'static Shape> {
     match key {
         "server" => Some(&SERVER),
+        "sessions" => Some(&SESSIONS),
         "agents" => Some(&AGENT),
         _ => None,
     }
@@ -275,8 +302,57 @@ fn tls_child(key: &str) -> Option<&'static Shape> {
 pub struct Config {
     /// Server-wide settings.
     pub server: ServerSettings,
+    /// Where conversations live.
+    pub sessions: SessionSettings,
     /// The agents, in file order.
     pub agents: Vec<AgentDef>,
+}
+
+/// Where conversations live (`[sessions]`).
+#[derive(Debug, Clone)]
+pub struct SessionSettings {
+    /// The backend.
+    pub store: StoreSettings,
+    /// A crashed replica's lease expires after this.
+    pub lease_ttl: Duration,
+    /// Sessions untouched this long are deleted.
+    pub idle_ttl: Duration,
+    /// The memory store holds at most this many sessions.
+    pub max_sessions: usize,
+}
+
+/// The session store backend.
+#[derive(Debug, Clone)]
+pub enum StoreSettings {
+    /// This process's memory (one replica).
+    Memory,
+    /// PostgreSQL, shared by every replica.
+    Postgres(PostgresSettings),
+}
+
+/// How to reach PostgreSQL.
+#[derive(Clone)]
+pub struct PostgresSettings {
+    /// The environment variable the URL was read from.
+    pub url_env: String,
+    /// The connection string (never printed: see `Debug`).
+    pub url: String,
+    /// Connections per replica.
+    pub pool_size: usize,
+    /// Refuse to start when the database can't be reached (instead of
+    /// serving NOT_SERVING and retrying).
+    pub exit_if_unreachable: bool,
+}
+
+impl fmt::Debug for PostgresSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresSettings")
+            .field("url_env", &self.url_env)
+            .field("url", &"<redacted>")
+            .field("pool_size", &self.pool_size)
+            .field("exit_if_unreachable", &self.exit_if_unreachable)
+            .finish()
+    }
 }
 
 /// Server-wide settings.
@@ -666,6 +742,11 @@ impl Validator<'_> {
                         parts.raw.server = server;
                     }
                 }
+                "sessions" => {
+                    if let Some(sessions) = self.typed(value, "sessions") {
+                        parts.raw.sessions = sessions;
+                    }
+                }
                 "agents" => {
                     parts.has_agents = true;
                     let span = value.span();
@@ -802,6 +883,7 @@ impl Validator<'_> {
     fn config(&mut self, parts: Parts) -> Config {
         let raw = parts.raw;
         let server = self.server(raw.server);
+        let sessions = self.sessions(raw.sessions);
         if !parts.has_agents {
             self.problem(None, "agents", "no agents are defined: add at least one [[agents]] table");
         }
@@ -824,7 +906,7 @@ impl Validator<'_> {
             agents.push(self.agent(i, a, &names, &server));
         }
         self.cycles(&agents, &spans);
-        Config { server, agents }
+        Config { server, sessions, agents }
     }
 
     fn server(&mut self, s: RawServer) -> ServerSettings {
@@ -870,6 +952,81 @@ impl Validator<'_> {
             tool_discovery_timeout: ms(s.tool_discovery_timeout_ms.unwrap_or(defaults::TOOL_DISCOVERY_TIMEOUT_MS)),
             trace_dir: s.trace_dir,
             hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
+        }
+    }
+
+    fn sessions(&mut self, s: RawSessions) -> SessionSettings {
+        for (v, f) in [
+            (s.lease_ttl_ms, "sessions.lease_ttl_ms"),
+            (s.idle_ttl_s, "sessions.idle_ttl_s"),
+            (s.max_sessions.map(|v| v as u64), "sessions.max_sessions"),
+            (s.pool_size.map(|v| v as u64), "sessions.pool_size"),
+        ] {
+            if v == Some(0) {
+                self.problem(None, f, "must be at least 1");
+            }
+        }
+        let exit_if_unreachable = match s.on_unreachable.as_ref().map(|o| (o.get_ref().as_str(), o.span())) {
+            None | Some(("wait", _)) => false,
+            Some(("exit", _)) => true,
+            Some((other, span)) => {
+                let message = format!("{other:?}: expected \"wait\" (serve NOT_SERVING and retry) or \"exit\"");
+                self.problem(Some(span), "sessions.on_unreachable", message);
+                false
+            }
+        };
+        let store = match s.store.as_ref().map(|v| (v.get_ref().as_str(), v.span())) {
+            None | Some(("memory", _)) => {
+                if let Some(var) = &s.url_env {
+                    self.problem(Some(var.span()), "sessions.url_env", "only the postgres store takes a URL");
+                }
+                StoreSettings::Memory
+            }
+            Some(("postgres", span)) => {
+                let url_env = match &s.url_env {
+                    Some(var) => var.clone(),
+                    None => Spanned::new(span, "LATTICE_POSTGRES_URL".to_owned()),
+                };
+                let url = self.secret(&url_env, "sessions.url_env", "the PostgreSQL connection string");
+                StoreSettings::Postgres(PostgresSettings {
+                    url_env: url_env.into_inner(),
+                    url,
+                    pool_size: s.pool_size.unwrap_or(defaults::POSTGRES_POOL_SIZE).max(1),
+                    exit_if_unreachable,
+                })
+            }
+            Some((other, span)) => {
+                let message = format!("unknown store {other:?} (known: \"memory\", \"postgres\")");
+                self.problem(Some(span), "sessions.store", message);
+                StoreSettings::Memory
+            }
+        };
+        SessionSettings {
+            store,
+            lease_ttl: ms(s.lease_ttl_ms.unwrap_or(defaults::LEASE_TTL_MS).max(1)),
+            idle_ttl: Duration::from_secs(s.idle_ttl_s.unwrap_or(defaults::IDLE_TTL_S).max(1)),
+            max_sessions: s.max_sessions.unwrap_or(defaults::MAX_SESSIONS).max(1),
+        }
+    }
+
+    /// The value of the environment variable `var` names: a secret, never
+    /// printed. Unset: a problem for `serve`, a warning for `check-config`.
+    fn secret(&mut self, var: &Spanned<String>, field: &str, what: &str) -> String {
+        match std::env::var(var.get_ref()) {
+            Ok(value) if !value.trim().is_empty() => value.trim().to_owned(),
+            _ => {
+                let message = format!("environment variable {:?} is not set ({what})", var.get_ref());
+                match self.secrets {
+                    Secrets::Required => self.problem(Some(var.span()), field, message),
+                    // check-config: the value is needed to serve, not to check.
+                    Secrets::Optional => {
+                        let line = Some(line_of(self.text, var.span().start));
+                        let message = format!("{message} (serving needs it)");
+                        self.warnings.push(Problem { line, field: field.to_owned(), message });
+                    }
+                }
+                String::new()
+            }
         }
     }
 
@@ -1114,22 +1271,7 @@ impl Validator<'_> {
                 );
                 (String::new(), String::new())
             }
-            Some(var) => match std::env::var(var.get_ref()) {
-                Ok(key) if !key.trim().is_empty() => (var.get_ref().clone(), key.trim().to_owned()),
-                _ => {
-                    let message = format!("environment variable {:?} is not set", var.get_ref());
-                    match self.secrets {
-                        Secrets::Required => self.problem(Some(var.span()), at("api_key_env"), message),
-                        // check-config: the key is needed to serve, not to check.
-                        Secrets::Optional => {
-                            let line = Some(line_of(self.text, var.span().start));
-                            let message = format!("{message} (serving needs it)");
-                            self.warnings.push(Problem { line, field: at("api_key_env"), message });
-                        }
-                    }
-                    (var.get_ref().clone(), String::new())
-                }
-            },
+            Some(var) => (var.get_ref().clone(), self.secret(var, &at("api_key_env"), "the API key")),
         };
         if m.max_tokens == Some(0) || m.deadline_ms == Some(0) {
             self.problem(Some(span.clone()), at("max_tokens / deadline_ms"), "must be at least 1");

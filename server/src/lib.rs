@@ -10,7 +10,8 @@
 //! - [`tools`]: remote tool services, delegated agents, permissions.
 //! - [`peer`]: channels to tool and hook services (`http://`, `dns:///`).
 //! - [`model`]: the model trait and its providers.
-//! - [`session`]: stored conversations and the one-query-per-session lease.
+//! - [`session`]: stored conversations (memory or PostgreSQL) and the
+//!   one-query-per-session lease.
 //! - [`trace`]: post-hook trace events.
 //! - [`health`]: `grpc.health.v1.Health`, whose watch streams end on drain.
 //! - [`metrics`]: Prometheus metrics at `GET /metrics` on the same port.
@@ -45,7 +46,12 @@ use lattice_proto::agent::v1::agent_service_server::AgentServiceServer;
 use tokio::net::TcpListener;
 use tracing::info;
 
-use crate::{agent::Runtime, config::Config, service::AgentSvc, session::MemoryStore};
+use crate::{
+    agent::Runtime,
+    config::{Config, StoreSettings},
+    service::AgentSvc,
+    session::{MemoryStore, SessionStore},
+};
 
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +62,9 @@ pub enum ServeError {
     /// Reflection could not be built.
     #[error("reflection: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    /// The session store could not be set up.
+    #[error("session store: {0}")]
+    Store(String),
     /// The transport failed.
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -71,7 +80,11 @@ pub async fn run(
     let runtime = Arc::new(Runtime::build(&config).await?);
     let metrics = runtime.metrics.clone();
     let max = config.server.max_message_bytes;
-    let agents = AgentServiceServer::new(AgentSvc::new(runtime, Arc::new(MemoryStore::default())))
+    let store: Arc<dyn SessionStore> = match &config.sessions.store {
+        StoreSettings::Memory => Arc::new(MemoryStore::new(config.sessions.max_sessions, config.sessions.idle_ttl)),
+        StoreSettings::Postgres(_) => return Err(ServeError::Store("the postgres store is not available yet".into())),
+    };
+    let agents = AgentServiceServer::new(AgentSvc::new(runtime, store))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 

@@ -198,7 +198,8 @@ impl AgentService for AgentSvc {
             .clone()
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("too many queries in flight; retry later"))?;
-        let lease = self.store.lease(&session_id, &agent.def.name, create).map_err(|e| status::store_error(&e))?;
+        let lease =
+            self.store.acquire(&session_id, &agent.def.name, create).await.map_err(|e| status::store_error(&e))?;
         if lease.session.agent != agent.def.name {
             return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
         }
@@ -228,6 +229,7 @@ impl AgentService for AgentSvc {
             let _in_flight = in_flight;
             let _ = out_tx.send(Out::Event(PbEvent::Started(started))).await;
             let history = lease.session.messages.clone();
+            let stored = history.len();
             let run = runtime.run(&agent, &ctx, history, req.prompt);
             // Events are forwarded while the loop runs; the loop future and
             // everything in flight under it are dropped on cancel/deadline.
@@ -249,6 +251,7 @@ impl AgentService for AgentSvc {
             let outcome = tokio::select! {
                 r = tokio::time::timeout_at(deadline + DEADLINE_GRACE, run) => r.unwrap_or(Err(AgentError::DeadlineExceeded)),
                 _ = out_tx.closed() => Err(AgentError::Cancelled),
+                () = lease.lost() => Err(AgentError::Store(StoreError::LeaseLost)),
                 f = &mut forward => {
                     // Only a failure ends it while the loop still holds a sender.
                     let e = f.err().unwrap_or(AgentError::Cancelled);
@@ -272,6 +275,19 @@ impl AgentService for AgentSvc {
                 };
                 Ok((out, sized(PbEvent::Result(result), limit)?))
             });
+            // Committed, and the session released, before the client sees
+            // the result: its next query finds the session free. A commit
+            // that fails (lease lost, store down) fails the query instead.
+            let outcome = match outcome {
+                Ok((out, result)) => match lease.commit(&out.messages[stored..]).await {
+                    Ok(()) => Ok((out, result)),
+                    Err(e) => Err(AgentError::Store(e)),
+                },
+                Err(e) => {
+                    drop(lease);
+                    Err(e)
+                }
+            };
             let elapsed_ms = began.elapsed().as_millis() as u64;
             let failure = outcome.as_ref().err().map(status::agent_error);
             let code = failure.as_ref().map_or(tonic::Code::Ok, Status::code);
@@ -284,9 +300,6 @@ impl AgentService for AgentSvc {
             match outcome {
                 Ok((out, result)) => {
                     let (text, stop_reason, turns, usage) = (out.text, out.stop_reason, out.turns, out.usage);
-                    // Committed, and the session released, before the client
-                    // sees the result: its next query finds the session free.
-                    lease.commit(out.messages);
                     runtime.tracer().emit(&scope, TraceEvent::Result { text: &text, stop_reason, turns, usage }).await;
                     info!(
                         turns,
@@ -298,7 +311,6 @@ impl AgentService for AgentSvc {
                     let _ = out_tx.send(Out::Event(result)).await;
                 }
                 Err(e) => {
-                    drop(lease);
                     let st = failure.unwrap_or_else(|| status::agent_error(&e));
                     runtime
                         .tracer()
@@ -336,7 +348,7 @@ impl AgentService for AgentSvc {
             "" => 0,
             token => token.parse::<usize>().map_err(|_| Status::invalid_argument("page_token is not one of ours"))?,
         };
-        let s = self.store.get(&req.session_id).map_err(|e| status::store_error(&e))?;
+        let s = self.store.get(&req.session_id).await.map_err(|e| status::store_error(&e))?;
         if start > s.messages.len() {
             return Err(Status::invalid_argument("page_token is past the end of the conversation"));
         }
@@ -374,7 +386,7 @@ impl AgentService for AgentSvc {
         request: Request<pb::DeleteSessionRequest>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
         let id = request.into_inner().session_id;
-        self.store.delete(&id).map_err(|e: StoreError| status::store_error(&e))?;
+        self.store.delete(&id).await.map_err(|e: StoreError| status::store_error(&e))?;
         info!(session_id = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))
     }

@@ -65,6 +65,7 @@ pub fn agent_error(e: &AgentError) -> Status {
         AgentError::Model(m) => model_error(m),
         AgentError::DeadlineExceeded => Status::deadline_exceeded("the query's deadline passed"),
         AgentError::Cancelled => Status::cancelled("the query was cancelled"),
+        AgentError::Store(s) => store_error(s),
         AgentError::EventTooLarge { .. } => Status::resource_exhausted(format!(
             "{e}; nothing was stored (raise server.max_message_bytes, or query without include_model_requests)"
         )),
@@ -106,6 +107,9 @@ pub fn store_error(e: &StoreError) -> Status {
     match e {
         StoreError::NotFound => Status::not_found("session not found"),
         StoreError::Busy => Status::failed_precondition("another query is running in this session"),
+        StoreError::LeaseLost => Status::aborted(e.to_string()),
+        StoreError::Full(_) => Status::resource_exhausted(format!("{e}; retry later, or delete sessions")),
+        StoreError::Unavailable(_) => Status::unavailable(e.to_string()),
     }
 }
 

@@ -176,8 +176,10 @@ async fn max_turns_stops_the_loop() {
     assert_eq!(r.stop_reason, pb::StopReason::MaxTurns as i32);
     assert_eq!(r.turns, 2);
     assert_eq!(out.assistant_texts(), vec!["1", "2"]);
-    // The conversation can be continued: the next prompt joins the trailing
-    // tool results, so roles still alternate.
+    // The conversation can be continued: the stored conversation is only
+    // appended to (the prompt follows the trailing tool results as its own
+    // message), and the model request merges the two, so its roles still
+    // alternate.
     let sid = out.session_id();
     let next = lattice
         .query_with(QueryOpts {
@@ -188,9 +190,14 @@ async fn max_turns_stops_the_loop() {
         })
         .await;
     next.ok();
-    let stored = lattice.session(&sid).await.unwrap();
-    let roles: Vec<i32> = stored.messages.iter().map(|m| m.role).collect();
+    let sent = next.model_requests()[0];
+    let roles: Vec<i32> = sent.messages.iter().map(|m| m.role).collect();
     assert!(roles.windows(2).all(|w| w[0] != w[1]), "{roles:?}");
+    // Five messages from the first query, then the prompt on its own.
+    let stored = lattice.session(&sid).await.unwrap();
+    assert_eq!(sent.messages.len(), 5, "the prompt joined the tool results in the request");
+    assert_eq!((stored.messages[4].role, stored.messages[5].role), (pb::Role::User as i32, pb::Role::User as i32));
+    assert_eq!(lattice_tests::message_text(&stored.messages[5]), "again");
 }
 
 /// Cancelling the client stream mid-tool cancels the tool call: the tool

@@ -1,0 +1,134 @@
+//! Stored conversations and the lease that lets one query at a time change
+//! each of them, behind one async trait with two backends: `memory` (one
+//! process, bounded and expiring) and `postgres` (shared by every replica).
+//!
+//! The contract both keep:
+//! - [`SessionStore::acquire`] takes a session's lease for one query (or
+//!   creates the session) and returns the conversation as last committed.
+//!   A second query finds the session [`StoreError::Busy`], on any replica.
+//! - The conversation changes only through [`Lease::commit`], which appends
+//!   the query's new messages and releases the lease in one step, and only
+//!   if the lease is still held. Dropping a lease changes nothing; it is
+//!   released (or, if its holder crashed, it expires).
+//! - Messages are only ever appended: a commit never rewrites history, so
+//!   it costs the same for a conversation of 10 turns or 1,000.
+
+mod memory;
+
+use std::{fmt, future::Future, pin::Pin, sync::Arc};
+
+pub use memory::MemoryStore;
+use tokio::sync::watch;
+
+use crate::domain::Message;
+
+/// A stored conversation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StoredSession {
+    /// The agent it belongs to.
+    pub agent: String,
+    /// The conversation, as committed by successful queries.
+    pub messages: Vec<Message>,
+}
+
+/// Why a store operation failed. Messages never name the store's address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// No such session.
+    #[error("session not found")]
+    NotFound,
+    /// A query runs in the session.
+    #[error("another query is running in this session")]
+    Busy,
+    /// The lease was lost (expired, or taken over) before the commit:
+    /// nothing was written.
+    #[error("the session's lease was lost before the query could be stored; nothing was written")]
+    LeaseLost,
+    /// The store holds as many sessions as it may.
+    #[error("the session store is full ({0} sessions)")]
+    Full(usize),
+    /// The store can't be reached; `0` names the backend, never its URL.
+    #[error("the session store ({0}) is unavailable")]
+    Unavailable(&'static str),
+}
+
+/// A future the store returns from a trait object.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// Where conversations live.
+pub trait SessionStore: Send + Sync + fmt::Debug {
+    /// Takes the session's lease for one query, creating the session when
+    /// `create` is set (its id must then be new).
+    fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease>;
+    /// The conversation as last committed.
+    fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession>;
+    /// Deletes a session (refused while a query runs in it).
+    fn delete<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, ()>;
+    /// Whether the store can serve now (for health).
+    fn ready(&self) -> StoreFuture<'_, ()>;
+    /// The backend's name, for logs and errors.
+    fn name(&self) -> &'static str;
+}
+
+/// What a backend does for a lease it handed out.
+pub trait LeaseHolder: Send + Sync + fmt::Debug {
+    /// Appends `appended` to the conversation at the version the lease was
+    /// taken at, and releases the lease, atomically; or does nothing and
+    /// fails if the lease is no longer held.
+    fn commit<'a>(&'a self, appended: &'a [Message]) -> StoreFuture<'a, ()>;
+    /// Releases the lease without changes (best effort: an unreleased lease
+    /// expires). Called on drop, so it must not block.
+    fn release(&self);
+}
+
+/// The right to run one query in a session. The conversation changes only
+/// through [`Lease::commit`]; dropping the lease releases it.
+#[derive(Debug)]
+pub struct Lease {
+    /// The conversation when the lease was taken.
+    pub session: StoredSession,
+    /// Whether this lease created the session.
+    pub created: bool,
+    holder: Option<Arc<dyn LeaseHolder>>,
+    /// Turns true if the lease is lost while the query runs.
+    lost: watch::Receiver<bool>,
+}
+
+impl Lease {
+    /// A lease over `holder`; `lost` turns true if it is lost.
+    pub fn new(
+        session: StoredSession,
+        created: bool,
+        holder: Arc<dyn LeaseHolder>,
+        lost: watch::Receiver<bool>,
+    ) -> Self {
+        Self { session, created, holder: Some(holder), lost }
+    }
+
+    /// Appends a successful query's new messages and releases the lease.
+    pub async fn commit(mut self, appended: &[Message]) -> Result<(), StoreError> {
+        let Some(holder) = self.holder.take() else { return Err(StoreError::LeaseLost) };
+        holder.commit(appended).await
+    }
+
+    /// Resolves if the lease is lost while held (it could not be renewed):
+    /// the query must stop, and its commit would fail.
+    pub async fn lost(&self) {
+        let mut lost = self.lost.clone();
+        // A closed channel means the renewer ended with the lease: not lost.
+        if lost.wait_for(|l| *l).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(holder) = self.holder.take() {
+            holder.release();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
