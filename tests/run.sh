@@ -2,9 +2,20 @@
 # The test command. Builds what the black-box tests start — the lattice CLI
 # and the example hooks, and static builds of lattice and the test peer for
 # the container images (FROM scratch: no registry needed) — then runs every
-# test, doc tests included. The container tests need a running Docker engine.
+# test, doc tests included. The container tests need a running Docker engine;
+# the session tests need PostgreSQL's server binaries (Debian's `postgresql`
+# package): the first test that needs it starts a throw-away cluster in
+# $TMPDIR/lattice-test-pg, which is stopped here at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pg_cluster="${TMPDIR:-/tmp}/lattice-test-pg/cluster/data"
+stop_postgres() {
+  if [ -d "$pg_cluster" ]; then
+    pg_ctl=$(ls -d /usr/lib/postgresql/*/bin/pg_ctl 2>/dev/null | sort | tail -1)
+    [ -n "$pg_ctl" ] && runuser -u postgres -- "$pg_ctl" -D "$pg_cluster" -m fast stop >/dev/null 2>&1 || true
+  fi
+}
+trap stop_postgres EXIT
 cargo build --workspace --bins --examples --locked
 RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --target x86_64-unknown-linux-gnu \
   -p lattice-server --bin lattice -p lattice-tests --bin lattice-test-peer

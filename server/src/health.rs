@@ -6,8 +6,12 @@
 //! (a sidecar, a load balancer, `grpcurl … Watch`) would hold a stopping pod
 //! until its connection dropped. Here each watch stream sends NOT_SERVING
 //! and ends as soon as draining starts.
+//!
+//! Health also follows the session store: NOT_SERVING while it can't be
+//! reached (so Kubernetes takes the pod out of its Service, and the
+//! readiness probe says why), SERVING again when it answers, no restart.
 
-use std::pin::Pin;
+use std::{pin::Pin, sync::Arc, time::Duration};
 
 use futures_util::{Stream, StreamExt, stream};
 use tokio_util::sync::CancellationToken;
@@ -17,6 +21,68 @@ use tonic_health::{
     pb::{HealthCheckRequest, HealthCheckResponse, health_server::Health},
     server::{HealthReporter, HealthService},
 };
+use tracing::{info, warn};
+
+use crate::session::{PostgresStore, SessionStore};
+
+/// How often the session store is checked.
+const STORE_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// The name health reports the agent service under.
+const AGENT_SERVICE: &str = "lattice.agent.v1.AgentService";
+
+/// Sets the agent service's status and the overall one ("", which is what
+/// Kubernetes' gRPC probes check by default).
+pub async fn set(reporter: &HealthReporter, serving: bool) {
+    let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+    reporter.set_service_status(AGENT_SERVICE, status).await;
+    reporter.set_service_status("", status).await;
+}
+
+/// Follows the store until draining starts: health turns NOT_SERVING while
+/// it is unreachable and SERVING when it answers again. A PostgreSQL store
+/// is also migrated once it first answers (if start-up could not), and swept
+/// of idle sessions now and then.
+pub async fn follow_store(
+    reporter: HealthReporter,
+    store: Arc<dyn SessionStore>,
+    postgres: Option<PostgresStore>,
+    draining: CancellationToken,
+    mut serving: bool,
+) {
+    let mut migrated = serving;
+    let mut ticks: u64 = 0;
+    loop {
+        tokio::select! {
+            () = draining.cancelled() => return,
+            () = tokio::time::sleep(STORE_CHECK_EVERY) => {}
+        }
+        ticks += 1;
+        let mut ok = store.ready().await.is_ok();
+        if let (Some(pg), true, false) = (&postgres, ok, migrated) {
+            migrated = pg.migrate().await.is_ok();
+            ok = migrated;
+        }
+        // Every ten minutes: sessions idle past the limit are deleted.
+        if let (Some(pg), true) = (&postgres, ok && ticks.is_multiple_of(600))
+            && let Some(n) = pg.sweep().await.ok().filter(|n| *n > 0)
+        {
+            info!(deleted = n, "idle sessions deleted");
+        }
+        if draining.is_cancelled() {
+            return;
+        }
+        if ok != serving {
+            serving = ok;
+            if ok {
+                info!(store = store.name(), "session store reachable again: SERVING");
+            } else {
+                warn!(store = store.name(), "session store unreachable: NOT_SERVING");
+            }
+            set(&reporter, ok).await;
+        }
+    }
+}
 
 /// The health service over a reporter's statuses; see the module docs.
 #[derive(Debug)]

@@ -44,13 +44,13 @@ use std::{future::Future, sync::Arc};
 
 use lattice_proto::agent::v1::agent_service_server::AgentServiceServer;
 use tokio::net::TcpListener;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::{
     agent::Runtime,
     config::{Config, StoreSettings},
     service::AgentSvc,
-    session::{MemoryStore, SessionStore},
+    session::{MemoryStore, PostgresStore, SessionStore},
 };
 
 /// Why the server stopped with an error.
@@ -80,11 +80,23 @@ pub async fn run(
     let runtime = Arc::new(Runtime::build(&config).await?);
     let metrics = runtime.metrics.clone();
     let max = config.server.max_message_bytes;
-    let store: Arc<dyn SessionStore> = match &config.sessions.store {
-        StoreSettings::Memory => Arc::new(MemoryStore::new(config.sessions.max_sessions, config.sessions.idle_ttl)),
-        StoreSettings::Postgres(_) => return Err(ServeError::Store("the postgres store is not available yet".into())),
+    let sessions = &config.sessions;
+    let (store, postgres): (Arc<dyn SessionStore>, _) = match &sessions.store {
+        StoreSettings::Memory => (Arc::new(MemoryStore::new(sessions.max_sessions, sessions.idle_ttl)), None),
+        StoreSettings::Postgres(pg) => {
+            let store = PostgresStore::new(pg, sessions.lease_ttl, sessions.idle_ttl).map_err(ServeError::Store)?;
+            // Migrated before serving; when the database can't be reached,
+            // either refuse to start or serve NOT_SERVING until it can.
+            if let Err(e) = store.migrate().await {
+                if pg.exit_if_unreachable {
+                    return Err(ServeError::Store(format!("{e} at start-up (sessions.on_unreachable = \"exit\")")));
+                }
+                warn!(error = %e, "session store unreachable at start-up: NOT_SERVING until it answers");
+            }
+            (Arc::new(store.clone()), Some(store))
+        }
     };
-    let agents = AgentServiceServer::new(AgentSvc::new(runtime, store))
+    let agents = AgentServiceServer::new(AgentSvc::new(runtime, store.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
@@ -92,8 +104,9 @@ pub async fn run(
     let draining = tokio_util::sync::CancellationToken::new();
     let health_svc =
         tonic_health::pb::health_server::HealthServer::new(health::Draining::new(health.clone(), draining.clone()));
-    health.set_serving::<AgentServiceServer<AgentSvc>>().await;
-    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    let serving = store.ready().await.is_ok();
+    health::set(&health, serving).await;
+    tokio::spawn(health::follow_store(health.clone(), store, postgres, draining.clone(), serving));
 
     // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -110,11 +123,9 @@ pub async fn run(
     let shutdown = async move {
         shutdown.await;
         info!("shutting down: refusing new connections, finishing in-flight queries");
-        health.set_not_serving::<AgentServiceServer<AgentSvc>>().await;
-        // The overall status ("") is what Kubernetes' grpc probes check by default.
-        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        // Open watch streams would hold the connections, and so the drain.
+        // Stops the store watcher first, so that it can't say SERVING again.
         draining.cancel();
+        health::set(&health, false).await;
     };
     let mut grpc = tonic::service::Routes::builder();
     grpc.add_service(health_svc).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);

@@ -7,6 +7,7 @@ pub mod bad_hook;
 pub mod containers;
 pub mod fake_api;
 pub mod hook;
+pub mod postgres;
 pub mod raw_peer;
 pub mod tls;
 pub mod tool;
@@ -198,6 +199,18 @@ impl Lattice {
     /// logs are [`logs`]).
     pub fn process_logs(&self) -> String {
         self.process.as_ref().map(|(_, p)| std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default()
+    }
+
+    /// Kills a spawned process at once (SIGKILL: no drain, no release).
+    pub fn kill(&mut self) {
+        if let Some((child, _)) = &mut self.process {
+            let _ = child.0.start_kill();
+        }
+    }
+
+    /// Whether health says the agent service is SERVING now.
+    pub async fn serving(&self) -> bool {
+        self.healthy().await
     }
 
     async fn healthy(&self) -> bool {

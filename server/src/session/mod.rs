@@ -14,10 +14,12 @@
 //!   it costs the same for a conversation of 10 turns or 1,000.
 
 mod memory;
+mod postgres;
 
 use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
+pub use postgres::PostgresStore;
 use tokio::sync::watch;
 
 use crate::domain::Message;

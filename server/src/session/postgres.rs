@@ -1,0 +1,429 @@
+//! The PostgreSQL store: sessions shared by every replica.
+//!
+//! Two tables. `lattice_sessions` holds one row per session: its agent, a
+//! version bumped by every commit, the number of messages, and the lease
+//! (a random token and an expiry). `lattice_messages` holds the messages,
+//! one row each, keyed by (session, sequence number): a commit inserts the
+//! query's new rows and never rewrites old ones, so its cost does not grow
+//! with the conversation.
+//!
+//! The lease is fenced: taking it sets a new token (only when there is
+//! none, or it expired); renewing, committing and releasing all name the
+//! token, and a commit also names the version it read. A replica that lost
+//! its lease (it stalled past the expiry and another took over) can
+//! therefore write nothing. A crashed replica's lease expires after
+//! `lease_ttl`; a running query renews it every third of that.
+//!
+//! Errors never carry the connection string: a failure is "the session
+//! store (postgres) is unavailable", logged with its SQLSTATE or kind.
+
+use std::{sync::Arc, time::Duration};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::sync::watch;
+use tokio_postgres::NoTls;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::{Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredSession};
+use crate::{config::PostgresSettings, domain::Message};
+
+/// How long a pool waits for a connection, or to make one, before the
+/// operation fails as unavailable.
+const POOL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The schema, one step per version. Applied in order, each once, under an
+/// advisory lock (replicas starting together take turns).
+const MIGRATIONS: &[&str] = &[
+    // 1: sessions, their leases, and their messages.
+    "CREATE TABLE lattice_sessions (
+        id text PRIMARY KEY,
+        agent text NOT NULL,
+        version bigint NOT NULL DEFAULT 0,
+        message_count bigint NOT NULL DEFAULT 0,
+        lease_token uuid,
+        lease_expires timestamptz,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        touched_at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE INDEX lattice_sessions_touched ON lattice_sessions (touched_at);
+    CREATE TABLE lattice_messages (
+        session_id text NOT NULL REFERENCES lattice_sessions (id) ON DELETE CASCADE,
+        seq bigint NOT NULL,
+        message text NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    );",
+];
+
+/// The migration lock's key ("lattice" in ASCII).
+const MIGRATION_LOCK: i64 = 0x006c_6174_7469_6365;
+
+/// Sessions in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    lease_ttl: Duration,
+    idle_ttl: Duration,
+}
+
+/// Logs a database error by kind (never its text, which may quote values)
+/// and maps it to "unavailable".
+fn unavailable(what: &str, e: &dyn std::fmt::Debug, code: Option<&str>) -> StoreError {
+    warn!(operation = what, sqlstate = code.unwrap_or("-"), error_kind = %short_kind(e), "session store failed");
+    StoreError::Unavailable("postgres")
+}
+
+/// The variant name of an error's Debug form: enough to tell a refused
+/// connection from a timeout without printing its text.
+fn short_kind(e: &dyn std::fmt::Debug) -> String {
+    format!("{e:?}").split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or("error").to_owned()
+}
+
+fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError {
+    move |e| unavailable(what, &e, e.code().map(|c| c.code()))
+}
+
+fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolError) -> StoreError {
+    move |e| match &e {
+        deadpool_postgres::PoolError::Backend(b) => unavailable(what, b, b.code().map(|c| c.code())),
+        other => unavailable(what, other, None),
+    }
+}
+
+impl PostgresStore {
+    /// A pool for `settings` (nothing connects yet).
+    pub fn new(settings: &PostgresSettings, lease_ttl: Duration, idle_ttl: Duration) -> Result<Self, String> {
+        let mut pg: tokio_postgres::Config = settings
+            .url
+            .parse()
+            .map_err(|_| format!("the connection string in {} does not parse", settings.url_env))?;
+        pg.connect_timeout(POOL_TIMEOUT);
+        pg.application_name("lattice");
+        let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = Pool::builder(manager)
+            .max_size(settings.pool_size)
+            .wait_timeout(Some(POOL_TIMEOUT))
+            .create_timeout(Some(POOL_TIMEOUT))
+            .recycle_timeout(Some(POOL_TIMEOUT))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| format!("cannot build the connection pool: {e}"))?;
+        Ok(Self { pool, lease_ttl, idle_ttl })
+    }
+
+    /// Brings the schema up to date (idempotent; safe from many replicas).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut client = self.pool.get().await.map_err(pool_error("migrate"))?;
+        let tx = client.transaction().await.map_err(db("migrate"))?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await.map_err(db("migrate"))?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS lattice_migrations (
+                version integer PRIMARY KEY,
+                applied_at timestamptz NOT NULL DEFAULT now()
+            )",
+        )
+        .await
+        .map_err(db("migrate"))?;
+        let row = tx
+            .query_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[])
+            .await
+            .map_err(db("migrate"))?;
+        let applied: i32 = row.get(0);
+        for (i, step) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
+            let version = i as i32 + 1;
+            tx.batch_execute(step).await.map_err(db("migrate"))?;
+            tx.execute("INSERT INTO lattice_migrations (version) VALUES ($1)", &[&version])
+                .await
+                .map_err(db("migrate"))?;
+            info!(version, "session store schema migrated");
+        }
+        tx.commit().await.map_err(db("migrate"))
+    }
+
+    fn ttl_ms(&self) -> f64 {
+        self.lease_ttl.as_secs_f64() * 1000.0
+    }
+
+    fn idle_s(&self) -> f64 {
+        self.idle_ttl.as_secs_f64()
+    }
+
+    /// The committed messages of a session, in order.
+    async fn messages(
+        client: &deadpool_postgres::Object,
+        session_id: &str,
+        count: i64,
+    ) -> Result<Vec<Message>, StoreError> {
+        let stmt = client
+            .prepare_cached("SELECT message FROM lattice_messages WHERE session_id = $1 AND seq < $2 ORDER BY seq")
+            .await
+            .map_err(db("read"))?;
+        let rows = client.query(&stmt, &[&session_id, &count]).await.map_err(db("read"))?;
+        rows.iter()
+            .map(|r| {
+                let text: &str = r.get(0);
+                serde_json::from_str(text).map_err(|_| {
+                    warn!(session_id, "a stored message does not parse");
+                    StoreError::Unavailable("postgres")
+                })
+            })
+            .collect()
+    }
+
+    /// Keeps the lease alive while its query runs; says so on `lost` if it
+    /// can't. Ends when `done` is cancelled (commit or release).
+    fn renew(&self, id: String, token: uuid::Uuid, lost: watch::Sender<bool>, done: CancellationToken) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let every = store.lease_ttl / 3;
+            let mut held_until = tokio::time::Instant::now() + store.lease_ttl;
+            loop {
+                tokio::select! {
+                    () = done.cancelled() => return,
+                    () = tokio::time::sleep(every) => {}
+                }
+                let renewed = async {
+                    let client = store.pool.get().await.map_err(pool_error("renew"))?;
+                    let stmt = client
+                        .prepare_cached(
+                            "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
+                             WHERE id = $1 AND lease_token = $2",
+                        )
+                        .await
+                        .map_err(db("renew"))?;
+                    client.execute(&stmt, &[&id, &token, &store.ttl_ms()]).await.map_err(db("renew"))
+                };
+                let now = tokio::time::Instant::now();
+                match renewed.await {
+                    Ok(1) => held_until = now + store.lease_ttl,
+                    Ok(_) => {
+                        warn!(session_id = %id, "the session's lease was taken over");
+                        let _ = lost.send(true);
+                        return;
+                    }
+                    // The database is away: the lease holds until it expires.
+                    Err(_) if now < held_until => {}
+                    Err(_) => {
+                        let _ = lost.send(true);
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// A lease on one session row.
+#[derive(Debug)]
+struct PgLease {
+    store: PostgresStore,
+    id: String,
+    token: uuid::Uuid,
+    version: i64,
+    created: bool,
+    /// Stops the renewer.
+    done: CancellationToken,
+}
+
+impl LeaseHolder for PgLease {
+    fn commit<'a>(&'a self, appended: &'a [Message]) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.done.cancel();
+            let rows: Vec<String> = appended
+                .iter()
+                .map(|m| serde_json::to_string(m).map_err(|_| StoreError::Unavailable("postgres")))
+                .collect::<Result<_, _>>()?;
+            let n = rows.len() as i64;
+            let mut client = self.store.pool.get().await.map_err(pool_error("commit"))?;
+            let tx = client.transaction().await.map_err(db("commit"))?;
+            let bump = tx
+                .prepare_cached(
+                    "UPDATE lattice_sessions
+                     SET version = version + 1, message_count = message_count + $4,
+                         lease_token = NULL, lease_expires = NULL, touched_at = now()
+                     WHERE id = $1 AND lease_token = $2 AND version = $3
+                     RETURNING message_count - $4",
+                )
+                .await
+                .map_err(db("commit"))?;
+            let Some(row) =
+                tx.query_opt(&bump, &[&self.id, &self.token, &self.version, &n]).await.map_err(db("commit"))?
+            else {
+                // The transaction rolls back on drop: nothing was written.
+                return Err(StoreError::LeaseLost);
+            };
+            let first: i64 = row.get(0);
+            if n > 0 {
+                let insert = tx
+                    .prepare_cached(
+                        "INSERT INTO lattice_messages (session_id, seq, message)
+                         SELECT $1, $2 + ord - 1, m FROM unnest($3::text[]) WITH ORDINALITY AS t(m, ord)",
+                    )
+                    .await
+                    .map_err(db("commit"))?;
+                tx.execute(&insert, &[&self.id, &first, &rows]).await.map_err(db("commit"))?;
+            }
+            tx.commit().await.map_err(db("commit"))?;
+            debug!(session_id = %self.id, appended = n, "session committed");
+            Ok(())
+        })
+    }
+
+    fn release(&self) {
+        self.done.cancel();
+        let (store, id, token, created) = (self.store.clone(), self.id.clone(), self.token, self.created);
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        handle.spawn(async move {
+            let released = async {
+                let client = store.pool.get().await.map_err(pool_error("release"))?;
+                // A session its first query created, and that failed, is
+                // deleted: a failed query leaves nothing behind.
+                let sql = if created {
+                    "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
+                } else {
+                    "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL
+                     WHERE id = $1 AND lease_token = $2"
+                };
+                let stmt = client.prepare_cached(sql).await.map_err(db("release"))?;
+                client.execute(&stmt, &[&id, &token]).await.map_err(db("release"))
+            };
+            // Unreleased, the lease expires after its ttl.
+            let _ = released.await;
+        });
+    }
+}
+
+impl SessionStore for PostgresStore {
+    fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease> {
+        Box::pin(async move {
+            let token = uuid::Uuid::new_v4();
+            let client = self.pool.get().await.map_err(pool_error("acquire"))?;
+            let (session, version) = if create {
+                let stmt = client
+                    .prepare_cached(
+                        "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires)
+                         VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')
+                         ON CONFLICT (id) DO NOTHING",
+                    )
+                    .await
+                    .map_err(db("acquire"))?;
+                let inserted = client
+                    .execute(&stmt, &[&session_id, &agent, &token, &self.ttl_ms()])
+                    .await
+                    .map_err(db("acquire"))?;
+                if inserted == 0 {
+                    return Err(StoreError::Busy);
+                }
+                (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0)
+            } else {
+                let stmt = client
+                    .prepare_cached(
+                        "UPDATE lattice_sessions
+                         SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond', touched_at = now()
+                         WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
+                           AND (lease_token IS NULL OR lease_expires < now())
+                         RETURNING agent, version, message_count",
+                    )
+                    .await
+                    .map_err(db("acquire"))?;
+                let row = client
+                    .query_opt(&stmt, &[&session_id, &token, &self.ttl_ms(), &self.idle_s()])
+                    .await
+                    .map_err(db("acquire"))?;
+                let Some(row) = row else {
+                    let exists = client
+                        .prepare_cached(
+                            "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'",
+                        )
+                        .await
+                        .map_err(db("acquire"))?;
+                    let found =
+                        client.query_opt(&exists, &[&session_id, &self.idle_s()]).await.map_err(db("acquire"))?;
+                    return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
+                };
+                let (agent, version, count): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
+                let messages = match Self::messages(&client, session_id, count).await {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // Give the lease back before failing.
+                        let undo = "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL
+                                    WHERE id = $1 AND lease_token = $2";
+                        let _ = client.execute(undo, &[&session_id, &token]).await;
+                        return Err(e);
+                    }
+                };
+                (StoredSession { agent, messages }, version)
+            };
+            let (lost_tx, lost) = watch::channel(false);
+            let done = CancellationToken::new();
+            self.renew(session_id.to_owned(), token, lost_tx, done.clone());
+            let holder =
+                PgLease { store: self.clone(), id: session_id.to_owned(), token, version, created: create, done };
+            Ok(Lease::new(session, create, Arc::new(holder), lost))
+        })
+    }
+
+    fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession> {
+        Box::pin(async move {
+            let client = self.pool.get().await.map_err(pool_error("get"))?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT agent, message_count FROM lattice_sessions
+                     WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'",
+                )
+                .await
+                .map_err(db("get"))?;
+            let row = client.query_opt(&stmt, &[&session_id, &self.idle_s()]).await.map_err(db("get"))?;
+            let row = row.ok_or(StoreError::NotFound)?;
+            let (agent, count): (String, i64) = (row.get(0), row.get(1));
+            Ok(StoredSession { agent, messages: Self::messages(&client, session_id, count).await? })
+        })
+    }
+
+    fn delete<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let client = self.pool.get().await.map_err(pool_error("delete"))?;
+            let stmt = client
+                .prepare_cached(
+                    "DELETE FROM lattice_sessions WHERE id = $1 AND (lease_token IS NULL OR lease_expires < now())",
+                )
+                .await
+                .map_err(db("delete"))?;
+            if client.execute(&stmt, &[&session_id]).await.map_err(db("delete"))? == 1 {
+                return Ok(());
+            }
+            let found = client
+                .query_opt("SELECT 1 FROM lattice_sessions WHERE id = $1", &[&session_id])
+                .await
+                .map_err(db("delete"))?;
+            Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound })
+        })
+    }
+
+    fn ready(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            let client = self.pool.get().await.map_err(pool_error("ready"))?;
+            client.simple_query("SELECT 1").await.map_err(db("ready"))?;
+            Ok(())
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+}
+
+impl PostgresStore {
+    /// Deletes sessions idle past the limit (their messages go with them).
+    pub async fn sweep(&self) -> Result<u64, StoreError> {
+        let client = self.pool.get().await.map_err(pool_error("sweep"))?;
+        client
+            .execute(
+                "DELETE FROM lattice_sessions WHERE touched_at < now() - $1 * interval '1 second'
+                 AND (lease_token IS NULL OR lease_expires < now())",
+                &[&self.idle_s()],
+            )
+            .await
+            .map_err(db("sweep"))
+    }
+}

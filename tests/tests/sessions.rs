@@ -1,0 +1,268 @@
+//! Sessions in PostgreSQL, shared by several `lattice serve` processes:
+//! any replica serves any session, one query at a time across all of them,
+//! no turn lost or duplicated, a crashed replica's lease expires, and a
+//! database outage is UNAVAILABLE and NOT_SERVING, then heals by itself.
+//! Also the memory store's limits.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use lattice_tests::{
+    Lattice, QueryOpts, cfg,
+    hook::{Behaviour, HookServer},
+    message_text,
+    postgres::Cluster,
+    tool::{ToolDef, ToolServer},
+};
+use tonic::Code;
+
+const URL_ENV: &str = "LATTICE_POSTGRES_URL";
+
+/// An agent that answers "seen N" (N: the messages it was sent), after
+/// `delay_ms`, over the postgres store with `extra` session keys.
+fn config(delay_ms: u64, extra: &str) -> String {
+    format!("[sessions]\nstore = \"postgres\"\nurl_env = \"{URL_ENV}\"\n{extra}\n")
+        + &cfg::agent("a", "")
+        + &format!("[[agents.model.script]]\ntext = \"seen {{{{message_count}}}}\"\ndelay_ms = {delay_ms}\n")
+}
+
+/// `n` replicas on one fresh database.
+async fn replicas(n: usize, config: &str) -> Vec<Arc<Lattice>> {
+    let url = Cluster::shared().await.database().await;
+    let mut all = Vec::new();
+    for _ in 0..n {
+        all.push(Arc::new(Lattice::spawn(config, &[(URL_ENV, &url)]).await));
+    }
+    all
+}
+
+fn continue_(session: &str, prompt: &str) -> QueryOpts {
+    QueryOpts { agent: "a".into(), prompt: prompt.into(), session: Some(session.into()), ..Default::default() }
+}
+
+/// A session started on replica A is continued on B and read on C: the
+/// same history everywhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_moves_between_replicas() {
+    let r = replicas(3, &config(0, "")).await;
+    let first = r[0].query("a", "one").await;
+    assert_eq!(first.ok().text, "seen 1");
+    let sid = first.session_id();
+    let second = r[1].query_with(continue_(&sid, "two")).await;
+    assert_eq!(second.ok().text, "seen 3", "B saw A's turn");
+    let on_c = r[2].session(&sid).await.unwrap();
+    let texts: Vec<String> = on_c.messages.iter().map(message_text).collect();
+    assert_eq!(texts, vec!["one", "seen 1", "two", "seen 3"]);
+    assert_eq!(r[0].session(&sid).await.unwrap(), on_c);
+    // Deleted on one replica, gone on all.
+    r[1].client()
+        .await
+        .delete_session(lattice_proto::agent::v1::DeleteSessionRequest { session_id: sid.clone() })
+        .await
+        .unwrap();
+    assert_eq!(r[2].session(&sid).await.unwrap_err().code(), Code::NotFound);
+}
+
+/// The same session queried on A and B at once: exactly one is refused
+/// (FAILED_PRECONDITION), the other completes, and the history has exactly
+/// one new turn.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_query_at_a_time_across_replicas() {
+    let r = replicas(2, &config(400, "")).await;
+    let sid = r[0].query("a", "start").await.session_id();
+    let (a, b) = (r[0].clone(), r[1].clone());
+    let (sa, sb) = (sid.clone(), sid.clone());
+    let qa = tokio::spawn(async move { a.query_with(continue_(&sa, "from A")).await });
+    let qb = tokio::spawn(async move { b.query_with(continue_(&sb, "from B")).await });
+    let (oa, ob) = (qa.await.unwrap(), qb.await.unwrap());
+    let mut codes = vec![oa.code(), ob.code()];
+    codes.sort_by_key(|c| *c as i32);
+    assert_eq!(codes, vec![Code::Ok, Code::FailedPrecondition], "{:?} {:?}", oa.status, ob.status);
+    assert_eq!(r[1].session(&sid).await.unwrap().messages.len(), 4);
+}
+
+/// 50 clients, 10 sessions, queries spread over 3 replicas at random: every
+/// query that succeeded is in its session exactly once, in a history of
+/// exactly two messages per success; none that failed is there.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_clients_lose_and_duplicate_no_turn() {
+    let r = replicas(3, &config(5, "")).await;
+    let mut sessions = Vec::new();
+    for i in 0..10 {
+        sessions.push(r[i % 3].query("a", &format!("open {i}")).await.session_id());
+    }
+    let mut clients = Vec::new();
+    for c in 0..50usize {
+        let (r, sessions) = (r.clone(), sessions.clone());
+        clients.push(tokio::spawn(async move {
+            let mut done = Vec::new();
+            for q in 0..4usize {
+                let pick = (c * 7 + q * 13) % 10;
+                let replica = &r[(c + q) % 3];
+                let prompt = format!("c{c} q{q}");
+                let out = replica.query_with(continue_(&sessions[pick], &prompt)).await;
+                match out.code() {
+                    Code::Ok => done.push((pick, prompt)),
+                    Code::FailedPrecondition => {}
+                    other => panic!("{prompt}: {other:?} {:?}", out.status),
+                }
+            }
+            done
+        }));
+    }
+    let mut succeeded: HashMap<usize, Vec<String>> = HashMap::new();
+    for c in clients {
+        for (pick, prompt) in c.await.unwrap() {
+            succeeded.entry(pick).or_default().push(prompt);
+        }
+    }
+    let total: usize = succeeded.values().map(Vec::len).sum();
+    assert!(total >= 20, "only {total} of 200 queries got through");
+    for (i, sid) in sessions.iter().enumerate() {
+        let stored = r[i % 3].session(sid).await.unwrap();
+        let prompts: Vec<String> = stored.messages.iter().step_by(2).skip(1).map(message_text).collect();
+        let mut expected = succeeded.remove(&i).unwrap_or_default();
+        let mut got = prompts.clone();
+        expected.sort();
+        got.sort();
+        assert_eq!(got, expected, "session {i}: lost or duplicated turns");
+        assert_eq!(stored.messages.len(), 2 + 2 * prompts.len());
+    }
+}
+
+/// A replica killed mid-query (SIGKILL: no release) holds the session
+/// until its lease expires; then another continues it with the history of
+/// the last committed query: no half-written turn, no dangling tool_use.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_replicas_lease_expires_and_nothing_half_written_remains() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "data")]).await;
+    let config = "[sessions]\nstore = \"postgres\"\nurl_env = \"LATTICE_POSTGRES_URL\"\nlease_ttl_ms = 1500\n"
+        .to_owned()
+        + &cfg::agent("a", "")
+        + &cfg::turn("calling", &["t"])
+        + &cfg::turn("seen {{message_count}}", &[])
+        + &cfg::tools(&tools.url, 60_000);
+    let url = Cluster::shared().await.database().await;
+    let mut a = Lattice::spawn(&config, &[(URL_ENV, &url)]).await;
+    let b = Lattice::spawn(&config, &[(URL_ENV, &url)]).await;
+    let first = a.query("a", "committed").await;
+    first.ok();
+    let sid = first.session_id();
+    let before = b.session(&sid).await.unwrap();
+    assert_eq!(before.messages.len(), 4);
+
+    tools.state.tools.lock().unwrap()[0].delay = Duration::from_secs(30);
+    let in_flight = {
+        let url = a.url.clone();
+        let sid = sid.clone();
+        tokio::spawn(async move {
+            let a = Lattice::remote(&url).await;
+            a.query_with(continue_(&sid, "never stored")).await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tools.state.calls.lock().unwrap().len() < 2 {
+        assert!(Instant::now() < deadline, "the second query never reached its tool call");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.kill();
+    let killed = Instant::now();
+    let _ = in_flight.await;
+    tools.state.tools.lock().unwrap()[0].delay = Duration::ZERO;
+
+    // Refused while the dead replica's lease lasts, then served.
+    let mut refused = 0;
+    let out = loop {
+        let out = b.query_with(continue_(&sid, "after")).await;
+        match out.code() {
+            Code::FailedPrecondition => refused += 1,
+            _ => break out,
+        }
+        assert!(killed.elapsed() < Duration::from_secs(10), "the lease never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    out.ok();
+    assert!(refused > 0, "the session should have been held until the lease expired");
+    assert!(killed.elapsed() >= Duration::from_millis(1000), "served after {:?}", killed.elapsed());
+    let after = b.session(&sid).await.unwrap();
+    let texts: Vec<String> = after.messages.iter().map(message_text).collect();
+    assert!(!texts.iter().any(|t| t == "never stored"), "{texts:?}");
+    assert_eq!(after.messages[..4], before.messages[..]);
+    assert_eq!(after.messages.len(), 8);
+}
+
+/// PostgreSQL stopped mid-run: queries get UNAVAILABLE naming the store
+/// (never its URL), health turns NOT_SERVING, nothing is half-written; once
+/// it is back, queries succeed and health is SERVING, without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_outage_is_unavailable_and_heals_by_itself() {
+    let cluster = Cluster::private().await;
+    let url = cluster.database().await;
+    let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, &url)]).await;
+    let first = lattice.query("a", "before").await;
+    first.ok();
+    let sid = first.session_id();
+
+    cluster.stop();
+    let out = lattice.query_with(continue_(&sid, "during")).await;
+    assert_eq!(out.code(), Code::Unavailable, "{:?}", out.status);
+    let message = out.status.as_ref().unwrap().message().to_owned();
+    assert!(message.contains("session store (postgres)") && !message.contains("127.0.0.1"), "{message}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lattice.serving().await {
+        assert!(Instant::now() < deadline, "health stayed SERVING with the database down");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    cluster.start().await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !lattice.serving().await {
+        assert!(Instant::now() < deadline, "health did not return to SERVING");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = lattice.query_with(continue_(&sid, "after")).await;
+    assert_eq!(out.ok().text, "seen 3", "the failed query left nothing behind");
+    let logs = lattice.process_logs();
+    assert!(!logs.contains(&url), "the connection string reached the log");
+}
+
+/// A hook failure and a client cancel on one replica leave the shared
+/// history unchanged; the next query (on another replica) sees it whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_queries_leave_the_shared_history_unchanged() {
+    let hook = HookServer::start(Behaviour::default()).await;
+    let config = config(0, "") + &cfg::hook("h", &hook.url, &["model_request"], 1000);
+    let r = replicas(2, &config).await;
+    let first = r[0].query("a", "one").await;
+    first.ok();
+    let sid = first.session_id();
+    let before = r[1].session(&sid).await.unwrap();
+    hook.state.set(Behaviour { fail: Some(Code::Internal), ..Default::default() });
+    r[0].query_with(continue_(&sid, "aborted")).await.hook_failure();
+    hook.state.set(Behaviour { hang: true, ..Default::default() });
+    let cut = QueryOpts { timeout: Some(Duration::from_millis(300)), ..continue_(&sid, "cut") };
+    assert_eq!(r[1].query_with(cut).await.code(), Code::DeadlineExceeded);
+    assert_eq!(r[0].session(&sid).await.unwrap(), before);
+    hook.state.set(Behaviour::default());
+    assert_eq!(r[1].query_with(continue_(&sid, "two")).await.ok().text, "seen 3");
+}
+
+/// The memory store: a new session past `max_sessions` is refused with a
+/// clear RESOURCE_EXHAUSTED; sessions idle past `idle_ttl_s` are gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_memory_store_is_bounded_and_expires() {
+    let config =
+        "[sessions]\nmax_sessions = 2\nidle_ttl_s = 1\n".to_owned() + &cfg::agent("a", "") + &cfg::turn("hi", &[]);
+    let lattice = Lattice::start(&config).await;
+    let first = lattice.query("a", "1").await.session_id();
+    lattice.query("a", "2").await.ok();
+    let full = lattice.query("a", "3").await;
+    assert_eq!(full.code(), Code::ResourceExhausted, "{:?}", full.status);
+    assert!(full.status.unwrap().message().contains("session store is full"));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(lattice.session(&first).await.unwrap_err().code(), Code::NotFound);
+    lattice.query("a", "4").await.ok();
+}
