@@ -386,7 +386,11 @@ impl AgentService for AgentSvc {
         request: Request<pb::DeleteSessionRequest>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
         let id = request.into_inner().session_id;
+        if !plausible_session_id(&id) {
+            return Err(Status::not_found("session not found"));
+        }
         self.store.delete(&id).await.map_err(|e: StoreError| status::store_error(&e))?;
+        self.runtime.tracer().delete(&id).await;
         info!(session_id = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))
     }

@@ -111,6 +111,17 @@ impl Tracer {
         Self { dir }
     }
 
+    /// Deletes a session's trace file, if this replica wrote one.
+    pub async fn delete(&self, session_id: &str) {
+        let Some(dir) = &self.dir else { return };
+        let path = dir.join(format!("{session_id}.jsonl"));
+        match tokio::fs::remove_file(&path).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!(path = %path.display(), error = %e, "cannot delete trace file"),
+        }
+    }
+
     /// Records one event.
     pub async fn emit(&self, scope: &Scope, event: TraceEvent<'_>) {
         let ts_ms =

@@ -689,6 +689,9 @@ async fn agents_and_sessions_can_be_inspected() {
     let sid = out.session_id();
     let s = lattice.session(&sid).await.unwrap();
     assert_eq!(lattice_tests::message_text(&s.messages[0]), "remember me");
+    let trace_file = lattice.trace_dir.join(format!("{sid}.jsonl"));
+    assert!(trace_file.exists());
     client.delete_session(pb::DeleteSessionRequest { session_id: sid.clone() }).await.unwrap();
     assert_eq!(lattice.session(&sid).await.unwrap_err().code(), Code::NotFound);
+    assert!(!trace_file.exists(), "DeleteSession removes the session's trace file too");
 }
