@@ -31,6 +31,11 @@ const STORE_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// The name health reports the agent service under.
 const AGENT_SERVICE: &str = "lattice.agent.v1.AgentService";
 
+/// A health "service" that is SERVING while the process runs, whatever the
+/// store: what a liveness probe should check (a database outage must take
+/// pods out of rotation, not restart them).
+pub const LIVENESS: &str = "liveness";
+
 /// Sets the agent service's status and the overall one ("", which is what
 /// Kubernetes' gRPC probes check by default).
 pub async fn set(reporter: &HealthReporter, serving: bool) {

@@ -106,6 +106,7 @@ pub async fn run(
         tonic_health::pb::health_server::HealthServer::new(health::Draining::new(health.clone(), draining.clone()));
     let serving = store.ready().await.is_ok();
     health::set(&health, serving).await;
+    health.set_service_status(health::LIVENESS, tonic_health::ServingStatus::Serving).await;
     tokio::spawn(health::follow_store(health.clone(), store, postgres, draining.clone(), serving));
 
     // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.

@@ -213,6 +213,18 @@ impl Lattice {
         self.healthy().await
     }
 
+    /// Whether health says `service` ("" for the server as a whole) is
+    /// SERVING now.
+    pub async fn serving_as(&self, service: &str) -> bool {
+        let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
+            return false;
+        };
+        let request = tonic_health::pb::HealthCheckRequest { service: service.into() };
+        tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.is_ok_and(|r| {
+            r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        })
+    }
+
     async fn healthy(&self) -> bool {
         let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
             return false;

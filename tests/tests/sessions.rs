@@ -216,6 +216,8 @@ async fn a_database_outage_is_unavailable_and_heals_by_itself() {
         assert!(Instant::now() < deadline, "health stayed SERVING with the database down");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert!(!lattice.serving_as("").await, "the overall status (readiness) follows the store");
+    assert!(lattice.serving_as("liveness").await, "liveness does not: the process is fine");
 
     cluster.start().await;
     let deadline = Instant::now() + Duration::from_secs(15);
