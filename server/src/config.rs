@@ -639,7 +639,14 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
 /// Parses and validates config text (`path` is for messages), as `serve`
 /// needs it: the model API keys must be set.
 pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-    parse_with(text, path, Secrets::Required).map(|(config, _)| config)
+    parse_with(text, path, Secrets::Required, &|var| std::env::var(var).ok()).map(|(config, _)| config)
+}
+
+/// [`parse`], with secrets (API keys, the database URL) looked up by `env`
+/// instead of the process environment: for embedding and tests, which run
+/// several servers in one process.
+pub fn parse_with_env(text: &str, path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    parse_with(text, path, Secrets::Required, env).map(|(config, _)| config)
 }
 
 /// Reads and validates a config file as `check-config` does: an API key
@@ -650,7 +657,7 @@ pub fn check(path: &Path) -> Result<(Config, Vec<Problem>), ConfigError> {
         file: path.to_owned(),
         problems: vec![Problem { line: None, field: "-".into(), message: format!("cannot read: {e}") }],
     })?;
-    parse_with(&text, path, Secrets::Optional)
+    parse_with(&text, path, Secrets::Optional, &|var| std::env::var(var).ok())
 }
 
 /// Whether the model API keys must be in the environment.
@@ -660,7 +667,12 @@ enum Secrets {
     Optional,
 }
 
-fn parse_with(text: &str, path: &Path, secrets: Secrets) -> Result<(Config, Vec<Problem>), ConfigError> {
+fn parse_with(
+    text: &str,
+    path: &Path,
+    secrets: Secrets,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(Config, Vec<Problem>), ConfigError> {
     let fail = |problems| ConfigError { file: path.to_owned(), problems };
     let doc = DeTable::parse(text).map_err(|e| {
         let line = e.span().map(|s| line_of(text, s.start));
@@ -670,7 +682,7 @@ fn parse_with(text: &str, path: &Path, secrets: Secrets) -> Result<(Config, Vec<
     walk.table(doc.get_ref(), &ROOT, "");
     let dir = path.parent().unwrap_or(Path::new("")).to_owned();
     let unknown = std::mem::take(&mut walk.unknown);
-    let mut v = Validator { text, dir, secrets, walk, problems: Vec::new(), warnings: Vec::new() };
+    let mut v = Validator { text, dir, secrets, env, walk, problems: Vec::new(), warnings: Vec::new() };
     for u in unknown {
         v.problem(Some(u.span), u.field, u.message);
     }
@@ -694,6 +706,8 @@ struct Validator<'a> {
     dir: PathBuf,
     /// Whether a missing API key is a problem or a warning.
     secrets: Secrets,
+    /// Where secrets are looked up (the process environment, normally).
+    env: &'a dyn Fn(&str) -> Option<String>,
     /// Every value's field path and span.
     walk: Walk,
     problems: Vec<Problem>,
@@ -1012,8 +1026,8 @@ impl Validator<'_> {
     /// The value of the environment variable `var` names: a secret, never
     /// printed. Unset: a problem for `serve`, a warning for `check-config`.
     fn secret(&mut self, var: &Spanned<String>, field: &str, what: &str) -> String {
-        match std::env::var(var.get_ref()) {
-            Ok(value) if !value.trim().is_empty() => value.trim().to_owned(),
+        match (self.env)(var.get_ref()) {
+            Some(value) if !value.trim().is_empty() => value.trim().to_owned(),
             _ => {
                 let message = format!("environment variable {:?} is not set ({what})", var.get_ref());
                 match self.secrets {

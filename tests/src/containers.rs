@@ -153,14 +153,28 @@ async fn start_peer(
 
 /// Starts Lattice in a container with `config`, on `network`.
 pub async fn start_lattice(config: &str, network: &str) -> ContainerAsync<GenericImage> {
-    lattice_image()
+    start_lattice_with(config, network, "server", &[]).await
+}
+
+/// [`start_lattice`], naming the container after `tag` and setting `env`.
+pub async fn start_lattice_with(
+    config: &str,
+    network: &str,
+    tag: &str,
+    env: &[(&str, &str)],
+) -> ContainerAsync<GenericImage> {
+    let mut image = lattice_image()
         .await
         .with_exposed_port(ContainerPort::Tcp(LATTICE_PORT))
         .with_wait_for(WaitFor::message_on_stderr("serving"))
         .with_network(network)
-        .with_container_name(unique("server"))
+        .with_container_name(unique(tag))
         .with_cmd(["serve", "--config", "/etc/lattice/lattice.toml", "--listen", "0.0.0.0:50051"])
-        .with_env_var("RUST_LOG", "trace")
+        .with_env_var("RUST_LOG", "trace");
+    for (k, v) in env {
+        image = image.with_env_var(*k, *v);
+    }
+    image
         .with_copy_to("/etc/lattice/lattice.toml", config.as_bytes().to_vec())
         .with_startup_timeout(Duration::from_secs(30))
         .start()
@@ -177,6 +191,18 @@ pub async fn host_url(c: &ContainerAsync<GenericImage>, port: u16) -> String {
 pub fn docker(args: &[&str]) {
     let out = Command::new("docker").args(args).output().expect("docker CLI");
     assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A network's gateway (the host's address on it) and subnet.
+pub fn network_gateway(network: &str) -> (String, String) {
+    let field = |f: &str| {
+        let format = format!("{{{{range .IPAM.Config}}}}{{{{.{f}}}}}{{{{end}}}}");
+        let out = Command::new("docker").args(["network", "inspect", "--format", &format, network]).output();
+        let out = out.expect("docker CLI");
+        assert!(out.status.success(), "docker network inspect: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    (field("Gateway"), field("Subnet"))
 }
 
 /// The container's address on `network`.

@@ -95,6 +95,17 @@ impl Lattice {
 
     /// Like [`Lattice::start`], returning the config or start-up error.
     pub async fn try_start(config: &str) -> Result<Lattice, String> {
+        Self::try_start_with_env(config, &[]).await
+    }
+
+    /// [`Lattice::start`] with secrets (`api_key_env`, `url_env`) looked up
+    /// in `env` rather than the process environment.
+    pub async fn start_with_env(config: &str, env: &[(&str, &str)]) -> Lattice {
+        Self::try_start_with_env(config, env).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
+    }
+
+    /// [`Lattice::try_start`] with secrets looked up in `env`.
+    pub async fn try_start_with_env(config: &str, env: &[(&str, &str)]) -> Result<Lattice, String> {
         capture_logs();
         let trace_dir = temp_dir("trace");
         let config = if config.contains("[server]") {
@@ -102,7 +113,11 @@ impl Lattice {
         } else {
             format!("{config}\n[server]\ntrace_dir = {:?}\n", trace_dir.display().to_string())
         };
-        let cfg = lattice_server::config::parse(&config, Path::new("test.toml")).map_err(|e| e.to_string())?;
+        let lookup = |var: &str| {
+            env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned()).or_else(|| std::env::var(var).ok())
+        };
+        let cfg = lattice_server::config::parse_with_env(&config, Path::new("test.toml"), &lookup)
+            .map_err(|e| e.to_string())?;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();

@@ -74,7 +74,7 @@ impl Cluster {
                 return Cluster { url, own: None };
             }
         }
-        let mut cluster = Cluster::init(dir.join("cluster")).await;
+        let mut cluster = Cluster::init(dir.join("cluster"), None).await;
         let (_, port) = cluster.own.take().unwrap();
         std::fs::write(&port_file, port.to_string()).unwrap();
         // Left running for the next test process (no `own`: not stopped on drop).
@@ -83,17 +83,24 @@ impl Cluster {
 
     /// A cluster of this test's own, on a free port, stopped when dropped.
     pub async fn private() -> Cluster {
+        Cluster::private_on(None).await
+    }
+
+    /// [`Cluster::private`], also listening on `address` and trusting
+    /// clients from `subnet` (a Docker network's gateway and subnet, so
+    /// that containers on it reach the host's database).
+    pub async fn private_on(network: Option<(&str, &str)>) -> Cluster {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "lattice-test-pg-{}-{}",
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        Cluster::init(dir).await
+        Cluster::init(dir, network).await
     }
 
     /// initdb in `dir` (made anew), then start on a free port.
-    async fn init(dir: PathBuf) -> Cluster {
+    async fn init(dir: PathBuf, network: Option<(&str, &str)>) -> Cluster {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let chown = Command::new("chown").arg("postgres:postgres").arg(&dir).status().unwrap();
@@ -106,6 +113,15 @@ impl Cluster {
             .status()
             .unwrap();
         assert!(init.success(), "initdb failed");
+        let mut listen = "127.0.0.1".to_owned();
+        if let Some((address, subnet)) = network {
+            listen = format!("{listen},{address}");
+            let hba = dir.join("data/pg_hba.conf");
+            let mut text = std::fs::read_to_string(&hba).unwrap();
+            text.push_str(&format!("host all all {subnet} trust\n"));
+            std::fs::write(&hba, text).unwrap();
+        }
+        std::fs::write(dir.join("listen"), &listen).unwrap();
         let (listener, addr) = crate::bind().await;
         drop(listener);
         let url = format!("postgres://postgres@127.0.0.1:{}", addr.port());
@@ -123,7 +139,11 @@ impl Cluster {
             .arg("-l")
             .arg(dir.join("log"))
             .arg("-o")
-            .arg(format!("-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off", dir.display()))
+            .arg(format!(
+                "-p {port} -k {} -c listen_addresses={} -c fsync=off",
+                dir.display(),
+                std::fs::read_to_string(dir.join("listen")).unwrap_or_else(|_| "127.0.0.1".into())
+            ))
             .arg("start")
             .stdout(Stdio::null())
             .status()

@@ -14,12 +14,13 @@ use std::{
 use lattice_proto::hooks::v1::ToolErrorKind;
 use lattice_server::peer::RESOLVE_EVERY;
 use lattice_tests::{
-    Lattice, assert_no_leak, canary, cfg,
+    Lattice, QueryOpts, assert_no_leak, canary, cfg,
     containers::{
-        HOOK_PORT, LATTICE_PORT, PeerOpts, TOOL_PORT, container_ip, container_logs, docker, host_url, peer_image,
-        start_hook, start_lattice, start_tool, unique,
+        HOOK_PORT, LATTICE_PORT, PeerOpts, TOOL_PORT, container_ip, container_logs, docker, host_url, network_gateway,
+        peer_image, start_hook, start_lattice, start_lattice_with, start_tool, unique,
     },
     hook::{Behaviour, HookServer},
+    postgres::Cluster,
     start_python_hook,
     tool::{ToolDef, ToolServer},
 };
@@ -352,4 +353,66 @@ async fn the_python_hook_chains_with_containerized_rust_hooks() {
     let out = lattice.query("x", "go").await;
     assert_eq!(out.ok().text, "model saw mail [REDACTED:email] [A] [B]");
     assert_no_leak("ada@example.com", &lattice, &out);
+}
+
+/// Two Lattice containers share their sessions through PostgreSQL (a host
+/// process, reached over the network's gateway): a session started on one
+/// is continued on the other; one killed mid-query (docker kill), the other
+/// continues the session once the dead one's lease expires, from its last
+/// committed query.
+#[tokio::test(flavor = "multi_thread")]
+async fn lattice_containers_share_sessions_and_survive_a_killed_replica() {
+    let image = peer_image().await;
+    let net = unique("pg");
+    let tool_name = unique("slow-tools");
+    // The tool answers after 2 s: long enough to kill a replica mid-query.
+    let _tool = start_tool(&image, &["--delay-ms", "2000", "--text", "data"], PeerOpts::on(&net, &tool_name)).await;
+    let (gateway, subnet) = network_gateway(&net);
+    let cluster = Cluster::private_on(Some((&gateway, &subnet))).await;
+    let database = cluster.database().await;
+    let url = database.replace("127.0.0.1", &gateway);
+    let config = "[sessions]\nstore = \"postgres\"\nurl_env = \"LATTICE_POSTGRES_URL\"\nlease_ttl_ms = 1500\n"
+        .to_owned()
+        + &agent_with(&cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 10_000), &[]);
+    let env = [("LATTICE_POSTGRES_URL", url.as_str())];
+    let a = start_lattice_with(&config, &net, "server-a", &env).await;
+    let b = start_lattice_with(&config, &net, "server-b", &env).await;
+    let client_a = Lattice::remote(&host_url(&a, LATTICE_PORT).await).await;
+    let client_b = Lattice::remote(&host_url(&b, LATTICE_PORT).await).await;
+
+    let first = client_a.query("x", "go").await;
+    assert_eq!(first.ok().text, "model saw data");
+    let sid = first.session_id();
+    let again = |prompt: &str| QueryOpts {
+        agent: "x".into(),
+        prompt: prompt.into(),
+        session: Some(sid.clone()),
+        ..Default::default()
+    };
+    assert_eq!(client_b.query_with(again("on b")).await.ok().text, "model saw data");
+    let committed = client_b.session(&sid).await.unwrap();
+    assert_eq!(committed.messages.len(), 8);
+
+    // A query in flight on A (its tool takes 2 s) when A is killed.
+    let in_flight = {
+        let (c, opts) = (client_a.clone(), again("lost with a"));
+        tokio::spawn(async move { c.query_with(opts).await })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    docker(&["kill", a.id()]);
+    let killed = Instant::now();
+    assert!(in_flight.await.unwrap().final_result().is_none());
+
+    let out = loop {
+        let out = client_b.query_with(again("after the kill")).await;
+        if out.code() != tonic::Code::FailedPrecondition {
+            break out;
+        }
+        assert!(killed.elapsed() < Duration::from_secs(15), "the dead replica's lease never expired");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(out.ok().text, "model saw data");
+    let after = client_b.session(&sid).await.unwrap();
+    assert_eq!(after.messages[..8], committed.messages[..], "the committed history is intact");
+    assert_eq!(after.messages.len(), 12, "nothing of the killed query was stored");
 }

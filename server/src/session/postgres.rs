@@ -234,36 +234,35 @@ impl LeaseHolder for PgLease {
                 .map(|m| serde_json::to_string(m).map_err(|_| StoreError::Unavailable("postgres")))
                 .collect::<Result<_, _>>()?;
             let n = rows.len() as i64;
-            let mut client = self.store.pool.get().await.map_err(pool_error("commit"))?;
-            let tx = client.transaction().await.map_err(db("commit"))?;
-            let bump = tx
+            let client = self.store.pool.get().await.map_err(pool_error("commit"))?;
+            // One statement, so one round trip and atomic: the version bump
+            // (only with our token and the version we read), the new rows
+            // numbered after the old ones, and the release. No bump, no rows.
+            let stmt = client
                 .prepare_cached(
-                    "UPDATE lattice_sessions
-                     SET version = version + 1, message_count = message_count + $4,
-                         lease_token = NULL, lease_expires = NULL, touched_at = now()
-                     WHERE id = $1 AND lease_token = $2 AND version = $3
-                     RETURNING message_count - $4",
+                    "WITH bump AS (
+                         UPDATE lattice_sessions
+                         SET version = version + 1, message_count = message_count + $4,
+                             lease_token = NULL, lease_expires = NULL, touched_at = now()
+                         WHERE id = $1 AND lease_token = $2 AND version = $3
+                         RETURNING message_count - $4 AS first
+                     ), rows AS (
+                         INSERT INTO lattice_messages (session_id, seq, message)
+                         SELECT $1, bump.first + t.ord - 1, t.m
+                         FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
+                     )
+                     SELECT count(*) FROM bump",
                 )
                 .await
                 .map_err(db("commit"))?;
-            let Some(row) =
-                tx.query_opt(&bump, &[&self.id, &self.token, &self.version, &n]).await.map_err(db("commit"))?
-            else {
-                // The transaction rolls back on drop: nothing was written.
+            let row = client
+                .query_one(&stmt, &[&self.id, &self.token, &self.version, &n, &rows])
+                .await
+                .map_err(db("commit"))?;
+            let committed: i64 = row.get(0);
+            if committed != 1 {
                 return Err(StoreError::LeaseLost);
-            };
-            let first: i64 = row.get(0);
-            if n > 0 {
-                let insert = tx
-                    .prepare_cached(
-                        "INSERT INTO lattice_messages (session_id, seq, message)
-                         SELECT $1, $2 + ord - 1, m FROM unnest($3::text[]) WITH ORDINALITY AS t(m, ord)",
-                    )
-                    .await
-                    .map_err(db("commit"))?;
-                tx.execute(&insert, &[&self.id, &first, &rows]).await.map_err(db("commit"))?;
             }
-            tx.commit().await.map_err(db("commit"))?;
             debug!(session_id = %self.id, appended = n, "session committed");
             Ok(())
         })

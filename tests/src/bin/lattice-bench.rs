@@ -3,13 +3,25 @@
 //! chain costs. Each query makes two model requests (two
 //! OnModelRequest rounds) and one tool call (one OnToolResult round).
 //!
+//! Then the session store: queries continuing sessions in the `memory` and
+//! the `postgres` store, with 1 and 16 clients at once; and the time of one
+//! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
+//! not grow with the conversation). PostgreSQL is the tests' throw-away
+//! cluster (see `lattice_tests::postgres`).
+//!
 //! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES]`
 
 use std::time::{Duration, Instant};
 
+use lattice_server::{
+    config::PostgresSettings,
+    domain::Message,
+    session::{PostgresStore, SessionStore},
+};
 use lattice_tests::{
-    Lattice, cfg,
+    Lattice, QueryOpts, cfg,
     hook::{Behaviour, HookServer, OnResult},
+    postgres::Cluster,
     tls::TestCa,
     tool::{ToolDef, ToolServer},
 };
@@ -98,5 +110,102 @@ async fn main() {
             queries as f64 / total.as_secs_f64()
         );
         lattice.stop().await;
+    }
+    stores(queries).await;
+    commits().await;
+}
+
+/// Query latency and throughput by session store and concurrency: each
+/// client continues a session of its own.
+async fn stores(queries: usize) {
+    let database = Cluster::shared().await.database().await;
+    println!();
+    println!("session store: {queries} queries per row, each continuing a session (1 model request)");
+    println!("{:>9} {:>8} {:>10} {:>10} {:>12}", "store", "clients", "p50", "p99", "queries/s");
+    for store in ["memory", "postgres"] {
+        let sessions = match store {
+            "postgres" => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
+            _ => "[sessions]\nstore = \"memory\"\n",
+        };
+        let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+        let lattice = std::sync::Arc::new(Lattice::start_with_env(&config, &[("BENCH_PG", &database)]).await);
+        for clients in [1usize, 16] {
+            let per_client = queries / clients;
+            let all = Instant::now();
+            let mut tasks = Vec::new();
+            for _ in 0..clients {
+                let lattice = lattice.clone();
+                tasks.push(tokio::spawn(async move {
+                    let sid = lattice.query("a", "start").await.session_id();
+                    let mut times = Vec::with_capacity(per_client);
+                    for _ in 0..per_client {
+                        let opts = QueryOpts {
+                            agent: "a".into(),
+                            prompt: "next".into(),
+                            session: Some(sid.clone()),
+                            no_model_requests: true,
+                            ..Default::default()
+                        };
+                        let out = lattice.query_with(opts).await;
+                        out.ok();
+                        times.push(out.elapsed);
+                    }
+                    times
+                }));
+            }
+            let mut times = Vec::new();
+            for t in tasks {
+                times.extend(t.await.unwrap());
+            }
+            let total = all.elapsed();
+            times.sort();
+            println!(
+                "{store:>9} {clients:>8} {:>10.2?} {:>10.2?} {:>12.0}",
+                percentile(&times, 0.5),
+                percentile(&times, 0.99),
+                times.len() as f64 / total.as_secs_f64()
+            );
+        }
+    }
+}
+
+/// One PostgreSQL commit (two new messages, lease released) for
+/// conversations of 10, 100 and 1,000 turns, and the acquire before it
+/// (which reads the whole history).
+async fn commits() {
+    let url = Cluster::shared().await.database().await;
+    let settings = PostgresSettings { url_env: "-".into(), url, pool_size: 4, exit_if_unreachable: true };
+    let store = PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap();
+    store.migrate().await.unwrap();
+    let turn = [Message::user_text("a question of some length"), Message::user_text("an answer of some length too")];
+    println!();
+    println!("postgres commit (2 messages) by conversation length, 200 commits per row");
+    println!("{:>7} {:>14} {:>14} {:>14}", "turns", "commit p50", "commit p99", "acquire p50");
+    let mut base = None;
+    for turns in [10usize, 100, 1000] {
+        let id = format!("bench-{turns}");
+        store.acquire(&id, "a", true).await.unwrap().commit(&turn).await.unwrap();
+        for _ in 1..turns {
+            store.acquire(&id, "a", false).await.unwrap().commit(&turn).await.unwrap();
+        }
+        let (mut commit, mut acquire) = (Vec::new(), Vec::new());
+        for _ in 0..200 {
+            let started = Instant::now();
+            let lease = store.acquire(&id, "a", false).await.unwrap();
+            acquire.push(started.elapsed());
+            let started = Instant::now();
+            lease.commit(&turn).await.unwrap();
+            commit.push(started.elapsed());
+        }
+        commit.sort();
+        acquire.sort();
+        let p50 = percentile(&commit, 0.5);
+        let ratio = p50.as_secs_f64() / *base.get_or_insert(p50.as_secs_f64());
+        println!(
+            "{turns:>7} {:>14.2?} {:>14.2?} {:>14.2?}   commit p50 = {ratio:.2}x the 10-turn one",
+            p50,
+            percentile(&commit, 0.99),
+            percentile(&acquire, 0.5)
+        );
     }
 }
