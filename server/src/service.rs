@@ -284,7 +284,9 @@ impl AgentService for AgentSvc {
                     Err(e) => Err(AgentError::Store(e)),
                 },
                 Err(e) => {
-                    drop(lease);
+                    // Released before the client hears of the failure, so
+                    // that a retry finds the session free.
+                    lease.release().await;
                     Err(e)
                 }
             };

@@ -244,6 +244,9 @@ async fn failed_queries_leave_the_shared_history_unchanged() {
     let before = r[1].session(&sid).await.unwrap();
     hook.state.set(Behaviour { fail: Some(Code::Internal), ..Default::default() });
     r[0].query_with(continue_(&sid, "aborted")).await.hook_failure();
+    // The lease was released before the client heard of the failure: a
+    // retry at once, on another replica, finds the session free.
+    assert_eq!(r[1].query_with(continue_(&sid, "retried")).await.hook_failure()["kind"], "status");
     hook.state.set(Behaviour { hang: true, ..Default::default() });
     let cut = QueryOpts { timeout: Some(Duration::from_millis(300)), ..continue_(&sid, "cut") };
     assert_eq!(r[1].query_with(cut).await.code(), Code::DeadlineExceeded);

@@ -104,15 +104,17 @@ impl LeaseHolder for MemoryLease {
         })
     }
 
-    fn release(&self) {
+    fn release(self: Arc<Self>) -> StoreFuture<'static, ()> {
         let mut state = self.store.state();
-        let Some(slot) = state.slots.get_mut(&self.id).filter(|s| s.leased == Some(self.token)) else { return };
-        slot.leased = None;
-        // A session created by a query that failed stays empty: forget it,
-        // so a failed query leaves nothing behind.
-        if self.created && slot.session.messages.is_empty() {
-            state.slots.remove(&self.id);
+        if let Some(slot) = state.slots.get_mut(&self.id).filter(|s| s.leased == Some(self.token)) {
+            slot.leased = None;
+            // A session created by a query that failed stays empty: forget
+            // it, so a failed query leaves nothing behind.
+            if self.created && slot.session.messages.is_empty() {
+                state.slots.remove(&self.id);
+            }
         }
+        Box::pin(async { Ok(()) })
     }
 }
 

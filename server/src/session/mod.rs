@@ -79,8 +79,9 @@ pub trait LeaseHolder: Send + Sync + fmt::Debug {
     /// fails if the lease is no longer held.
     fn commit<'a>(&'a self, appended: &'a [Message]) -> StoreFuture<'a, ()>;
     /// Releases the lease without changes (best effort: an unreleased lease
-    /// expires). Called on drop, so it must not block.
-    fn release(&self);
+    /// expires). What can be done at once is done before it returns; the
+    /// rest is the future.
+    fn release(self: Arc<Self>) -> StoreFuture<'static, ()>;
 }
 
 /// The right to run one query in a session. The conversation changes only
@@ -113,6 +114,14 @@ impl Lease {
         holder.commit(appended).await
     }
 
+    /// Releases the lease without changes, and waits until it is released:
+    /// the session's next query finds it free.
+    pub async fn release(mut self) {
+        if let Some(holder) = self.holder.take() {
+            let _ = holder.release().await;
+        }
+    }
+
     /// Resolves if the lease is lost while held (it could not be renewed):
     /// the query must stop, and its commit would fail.
     pub async fn lost(&self) {
@@ -125,9 +134,13 @@ impl Lease {
 }
 
 impl Drop for Lease {
+    /// Released at once where the backend can, else in the background (an
+    /// unreleased lease expires anyway).
     fn drop(&mut self) {
-        if let Some(holder) = self.holder.take() {
-            holder.release();
+        let Some(holder) = self.holder.take() else { return };
+        let release = holder.release();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(release);
         }
     }
 }

@@ -268,27 +268,22 @@ impl LeaseHolder for PgLease {
         })
     }
 
-    fn release(&self) {
+    fn release(self: Arc<Self>) -> StoreFuture<'static, ()> {
         self.done.cancel();
-        let (store, id, token, created) = (self.store.clone(), self.id.clone(), self.token, self.created);
-        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
-        handle.spawn(async move {
-            let released = async {
-                let client = store.pool.get().await.map_err(pool_error("release"))?;
-                // A session its first query created, and that failed, is
-                // deleted: a failed query leaves nothing behind.
-                let sql = if created {
-                    "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
-                } else {
-                    "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL
-                     WHERE id = $1 AND lease_token = $2"
-                };
-                let stmt = client.prepare_cached(sql).await.map_err(db("release"))?;
-                client.execute(&stmt, &[&id, &token]).await.map_err(db("release"))
+        Box::pin(async move {
+            let client = self.store.pool.get().await.map_err(pool_error("release"))?;
+            // A session its first query created, and that failed, is
+            // deleted: a failed query leaves nothing behind.
+            let sql = if self.created {
+                "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
+            } else {
+                "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL
+                 WHERE id = $1 AND lease_token = $2"
             };
-            // Unreleased, the lease expires after its ttl.
-            let _ = released.await;
-        });
+            let stmt = client.prepare_cached(sql).await.map_err(db("release"))?;
+            client.execute(&stmt, &[&self.id, &self.token]).await.map_err(db("release"))?;
+            Ok(())
+        })
     }
 }
 
