@@ -198,7 +198,7 @@ impl AgentService for AgentSvc {
             .clone()
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("too many queries in flight; retry later"))?;
-        let lease =
+        let mut lease =
             self.store.acquire(&session_id, &agent.def.name, create).await.map_err(|e| status::store_error(&e))?;
         if lease.session.agent != agent.def.name {
             return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
@@ -228,7 +228,8 @@ impl AgentService for AgentSvc {
             let _permit = permit;
             let _in_flight = in_flight;
             let _ = out_tx.send(Out::Event(PbEvent::Started(started))).await;
-            let history = lease.session.messages.clone();
+            // The loop owns the history from here (no copy of it is kept).
+            let history = std::mem::take(&mut lease.session.messages);
             let stored = history.len();
             let run = runtime.run(&agent, &ctx, history, req.prompt);
             // Events are forwarded while the loop runs; the loop future and
