@@ -34,7 +34,7 @@
 //! to let a value through.
 #![warn(missing_docs)]
 
-use std::{future::Future, net::SocketAddr, sync::Arc};
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use lattice_proto::hooks::v1::{
     self as pb,
@@ -283,27 +283,47 @@ impl std::fmt::Display for ServeError {
 
 impl std::error::Error for ServeError {}
 
+/// The variable that sets the drain period of [`serve`] and [`serve_tls`],
+/// in milliseconds.
+pub const DRAIN_ENV: &str = "LATTICE_HOOK_DRAIN_MS";
+
+/// How long [`serve`] keeps serving after SIGTERM by default: long enough
+/// for Kubernetes to take the pod out of its Service's endpoints and for
+/// Lattice to re-resolve a `dns:///` name (every 5 s).
+pub const DEFAULT_DRAIN: Duration = Duration::from_secs(6);
+
+/// The drain period: `LATTICE_HOOK_DRAIN_MS`, else [`DEFAULT_DRAIN`].
+fn drain_from_env() -> Duration {
+    std::env::var(DRAIN_ENV).ok().and_then(|v| v.parse().ok()).map_or(DEFAULT_DRAIN, Duration::from_millis)
+}
+
 /// Serves `hook` on `addr` until SIGTERM or Ctrl-C, with gRPC health
 /// (`grpc.health.v1`) and reflection (v1 and v1alpha) included.
+///
+/// On SIGTERM it drains, so that a rolling update loses no call: health
+/// turns NOT_SERVING at once, calls keep being served (in flight, and new
+/// ones on open or new connections) for the drain period
+/// ([`DRAIN_ENV`], default [`DEFAULT_DRAIN`]), then the server sends GOAWAY,
+/// finishes the calls in flight and returns.
 pub async fn serve(hook: impl Hook, addr: SocketAddr) -> Result<(), ServeError> {
     let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
-    serve_on(hook, listener, shutdown_signal()).await
+    serve_draining_on(hook, listener, None, shutdown_signal(), drain_from_env()).await
 }
 
 /// [`serve`] over TLS (see [`Tls`]).
 pub async fn serve_tls(hook: impl Hook, addr: SocketAddr, tls: Tls) -> Result<(), ServeError> {
     let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
-    serve_tls_on(hook, listener, tls, shutdown_signal()).await
+    serve_draining_on(hook, listener, Some(tls), shutdown_signal(), drain_from_env()).await
 }
 
 /// Serves `hook` on a bound listener until `shutdown` resolves (for tests
-/// and embedding), with health and reflection.
+/// and embedding), with health and reflection; no drain period.
 pub async fn serve_on(
     hook: impl Hook,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    serve_inner(hook, listener, None, shutdown).await
+    serve_draining_on(hook, listener, None, shutdown, Duration::ZERO).await
 }
 
 /// [`serve_on`] over TLS.
@@ -313,14 +333,18 @@ pub async fn serve_tls_on(
     tls: Tls,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    serve_inner(hook, listener, Some(tls), shutdown).await
+    serve_draining_on(hook, listener, Some(tls), shutdown, Duration::ZERO).await
 }
 
-async fn serve_inner(
+/// Serves `hook` on a bound listener (over TLS when `tls` is set); when
+/// `shutdown` resolves, drains for `drain` (see [`serve`]) and returns once
+/// the calls in flight have finished.
+pub async fn serve_draining_on(
     hook: impl Hook,
     listener: TcpListener,
     tls: Option<Tls>,
     shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
 ) -> Result<(), ServeError> {
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<HookServiceServer<HookServer<Chain>>>().await;
@@ -340,12 +364,22 @@ async fn serve_inner(
         server = server.tls_config(tls.server_config()).map_err(ServeError::Transport)?;
     }
     tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "hook serving");
+    let drained = async move {
+        shutdown.await;
+        // Said first, so that Kubernetes and Lattice stop sending calls here;
+        // the ones that still come are served until the drain ends.
+        health.set_not_serving::<HookServiceServer<HookServer<Chain>>>().await;
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        tracing::info!(drain_ms = drain.as_millis() as u64, "draining: NOT_SERVING, still serving calls");
+        tokio::time::sleep(drain).await;
+        tracing::info!("drained: GOAWAY, finishing the calls in flight");
+    };
     server
         .add_service(health_svc)
         .add_service(v1)
         .add_service(v1alpha)
         .add_service(HookServer::new(hook).into_service())
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), drained)
         .await
         .map_err(ServeError::Transport)
 }

@@ -1,0 +1,88 @@
+//! The Rust hook SDK's serving: a hook that is stopped (SIGTERM, a rolling
+//! update) drains instead of dropping calls.
+
+use std::time::{Duration, Instant};
+
+use lattice_hook_sdk::{Hook, Status, ToolResultBlock, ToolResultCall};
+use lattice_proto::hooks::v1::{OnToolResultRequest, hook_service_client::HookServiceClient};
+use lattice_tests::{bind, workspace_binary};
+use tokio::sync::oneshot;
+use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+
+/// A hook that takes 400 ms and keeps every result.
+struct Slow;
+
+#[lattice_hook_sdk::async_trait]
+impl Hook for Slow {
+    async fn on_tool_result(&self, _: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        Ok(None)
+    }
+}
+
+async fn status(channel: tonic::transport::Channel) -> i32 {
+    let request = HealthCheckRequest { service: String::new() };
+    HealthClient::new(channel).check(request).await.unwrap().into_inner().status
+}
+
+/// Asked to stop, a hook says NOT_SERVING at once, finishes the call in
+/// flight, serves calls that still arrive (on its open connection and on a
+/// new one) for the drain period, and only then returns.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_drains_before_it_stops() {
+    let (listener, addr) = bind().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let drain = Duration::from_millis(1200);
+    let server = tokio::spawn(lattice_hook_sdk::serve_draining_on(
+        Slow,
+        listener,
+        None,
+        async {
+            let _ = stopped.await;
+        },
+        drain,
+    ));
+    let url = format!("http://{addr}");
+    let channel = tonic::transport::Endpoint::from_shared(url.clone()).unwrap().connect().await.unwrap();
+    assert_eq!(status(channel.clone()).await, ServingStatus::Serving as i32);
+    let mut client = HookServiceClient::new(channel.clone());
+    let in_flight = {
+        let mut client = client.clone();
+        tokio::spawn(async move { client.on_tool_result(OnToolResultRequest::default()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.send(()).unwrap();
+    let signalled = Instant::now();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
+    assert!(in_flight.await.unwrap().is_ok(), "the call in flight completes");
+    assert!(client.on_tool_result(OnToolResultRequest::default()).await.is_ok(), "served during the drain");
+    let fresh = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    assert!(HookServiceClient::new(fresh).on_tool_result(OnToolResultRequest::default()).await.is_ok());
+    let served = tokio::time::timeout(Duration::from_secs(5), server).await.expect("the server stops after the drain");
+    assert!(served.unwrap().is_ok());
+    assert!(signalled.elapsed() >= drain, "stopped after {:?}", signalled.elapsed());
+}
+
+/// An example hook binary exits 0 after SIGTERM and its drain
+/// (`LATTICE_HOOK_DRAIN_MS`).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_example_hook_exits_cleanly_after_sigterm() {
+    let (listener, addr) = bind().await;
+    drop(listener);
+    let mut child = tokio::process::Command::new(workspace_binary("examples/audit"))
+        .args(["--listen", &addr.to_string(), "--file"])
+        .arg(lattice_tests::temp_dir("audit").join("audit.jsonl"))
+        .env("LATTICE_HOOK_DRAIN_MS", "300")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    lattice_tests::wait_for_port(addr, "audit").await;
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let started = Instant::now();
+    let exit = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.expect("exits").unwrap();
+    assert_eq!(exit.code(), Some(0));
+    assert!(started.elapsed() >= Duration::from_millis(300), "exited before its drain: {:?}", started.elapsed());
+}
