@@ -82,6 +82,9 @@ pub enum AgentError {
     /// The client went away.
     #[error("the client cancelled the query")]
     Cancelled,
+    /// The agent's tools have not been discovered yet.
+    #[error("agent {0:?} is not ready: its tool services have not answered ListTools yet")]
+    NotReady(String),
     /// The session store failed (lease lost, unreachable, full): nothing
     /// was written.
     #[error(transparent)]
@@ -159,10 +162,41 @@ pub struct AgentRuntime {
     pub def: AgentDef,
     /// Its model.
     pub model: Arc<dyn Model>,
-    /// Its tools.
-    pub tools: AgentTools,
+    /// Its tools, once their services have answered ListTools (set once;
+    /// until then the agent is not ready and its queries are UNAVAILABLE).
+    tools: std::sync::OnceLock<AgentTools>,
     /// Its hook chain.
     pub hooks: HookChain,
+}
+
+impl AgentRuntime {
+    /// Its tools, if discovered yet.
+    pub fn tools(&self) -> Option<&AgentTools> {
+        self.tools.get()
+    }
+}
+
+/// Discovers an agent's tools in the background until its services answer,
+/// with backoff (the tool services may start after Lattice, as they do in
+/// Kubernetes). Ends when the agent is dropped (the server stopped).
+async fn discover_later(agent: std::sync::Weak<AgentRuntime>, settings: ServerSettings) {
+    let mut wait = Duration::from_millis(250);
+    loop {
+        let Some(runtime) = agent.upgrade() else { return };
+        match AgentTools::build(&runtime.def, &settings).await {
+            Ok(tools) => {
+                info!(agent = %runtime.def.name, tools = tools.specs.len(), "agent ready: its tools answered");
+                let _ = runtime.tools.set(tools);
+                return;
+            }
+            Err(e) => {
+                warn!(agent = %runtime.def.name, error = %e, retry_ms = wait.as_millis() as u64, "agent not ready yet")
+            }
+        }
+        drop(runtime);
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(10));
+    }
 }
 
 /// Why the runtime could not be built.
@@ -199,7 +233,11 @@ pub struct Runtime {
 }
 
 impl Runtime {
-    /// Builds every agent: models, hook channels (lazy), tools (discovered).
+    /// Builds every agent: models, hook channels (lazy), tools. Tools to
+    /// discover are waited for up to `tool_discovery_timeout`; an agent
+    /// whose services haven't answered by then is set up anyway, not ready
+    /// (see [`Runtime::ready`]), and discovered in the background.
+    /// Endpoints that can't be used are errors here.
     pub async fn build(config: &Config) -> Result<Self, SetupError> {
         let mut agents = HashMap::new();
         let mut order = Vec::new();
@@ -207,13 +245,30 @@ impl Runtime {
         for def in &config.agents {
             let hooks = HookChain::new(&def.name, &def.hooks, config.server.hook_max_message_bytes, metrics.clone())
                 .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
-            let tools = AgentTools::build(def, &config.server).await?;
+            // Start-up waits for the tool services up to
+            // tool_discovery_timeout; one that hasn't answered by then no
+            // longer stops the server: the agent is discovered later.
+            let tools = std::sync::OnceLock::new();
+            let discover_later_too = match AgentTools::build(def, &config.server).await {
+                Ok(found) => {
+                    let _ = tools.set(found);
+                    false
+                }
+                Err(e @ ToolSetupError::Discovery { .. }) => {
+                    warn!(agent = %def.name, error = %e, "agent not ready: discovering its tools in the background");
+                    true
+                }
+                Err(e) => return Err(e.into()),
+            };
             let chain: Vec<String> =
                 def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
-            info!(agent = %def.name, model = %def.model.label(), hooks = ?chain, "agent ready");
-            let runtime = AgentRuntime { def: def.clone(), model: model::build(&def.model)?, tools, hooks };
+            info!(agent = %def.name, model = %def.model.label(), hooks = ?chain, "agent set up");
+            let runtime = Arc::new(AgentRuntime { def: def.clone(), model: model::build(&def.model)?, tools, hooks });
+            if discover_later_too {
+                tokio::spawn(discover_later(Arc::downgrade(&runtime), config.server.clone()));
+            }
             order.push(def.name.clone());
-            agents.insert(def.name.clone(), Arc::new(runtime));
+            agents.insert(def.name.clone(), runtime);
         }
         Ok(Self {
             agents,
@@ -222,6 +277,11 @@ impl Runtime {
             tracer: Tracer::new(config.server.trace_dir.clone()),
             metrics,
         })
+    }
+
+    /// Whether every agent is ready (its tools discovered).
+    pub fn ready(&self) -> bool {
+        self.agents.values().all(|a| a.tools().is_some())
     }
 
     /// An agent by name.
@@ -259,6 +319,7 @@ impl Runtime {
         prompt: String,
     ) -> Result<RunOutcome, AgentError> {
         let scope = &ctx.scope;
+        let tools = agent.tools().ok_or_else(|| AgentError::NotReady(agent.def.name.clone()))?;
         messages.push(Message::user_text(prompt));
         let mut usage = Usage::default();
         let mut last_text = String::new();
@@ -267,7 +328,7 @@ impl Runtime {
             let request = ModelRequest {
                 system: agent.def.system_prompt.clone(),
                 messages: as_request(&messages),
-                tools: agent.tools.specs.clone(),
+                tools: tools.specs.clone(),
             };
             let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
             self.tracer.emit(scope, TraceEvent::ModelRequest { turn, request: &request }).await;
@@ -435,7 +496,7 @@ impl Runtime {
             );
             RawResult::lattice(&call.id, K::BatchLimit, msg, CallOutcome::Blocked)
         } else {
-            match agent.tools.bindings.get(&call.name) {
+            match agent.tools().and_then(|t| t.bindings.get(&call.name)) {
                 None => RawResult::lattice(
                     &call.id,
                     K::UnknownTool,
@@ -544,6 +605,9 @@ impl Runtime {
                 Ok(fail(K::Delegation, format!("agent {target:?} failed: {e}"), CallOutcome::Failed))
             }
             // A delegated run streams no events; passed on all the same.
+            Err(AgentError::NotReady(_)) => {
+                Ok(fail(K::Delegation, format!("agent {target:?} is not ready yet"), CallOutcome::Failed))
+            }
             Err(e @ (AgentError::Cancelled | AgentError::EventTooLarge { .. } | AgentError::Store(_))) => Err(e),
         }
     }
@@ -571,7 +635,8 @@ fn as_request(messages: &[Message]) -> Vec<Message> {
 /// Counts a tool call by outcome, before the hooks see its result. A name
 /// the agent doesn't have (the model made it up) is counted as `(unknown)`.
 fn count_tool_call(metrics: &Metrics, agent: &AgentRuntime, name: &str, outcome: CallOutcome) {
-    let tool = if agent.tools.bindings.contains_key(name) { name } else { "(unknown)" };
+    let known = agent.tools().is_some_and(|t| t.bindings.contains_key(name));
+    let tool = if known { name } else { "(unknown)" };
     metrics.count(
         Family::ToolCalls,
         vec![

@@ -44,14 +44,16 @@ pub async fn set(reporter: &HealthReporter, serving: bool) {
     reporter.set_service_status("", status).await;
 }
 
-/// Follows the store until draining starts: health turns NOT_SERVING while
-/// it is unreachable and SERVING when it answers again. A PostgreSQL store
-/// is also migrated once it first answers (if start-up could not), and swept
-/// of idle sessions now and then.
+/// Follows the store and the agents until draining starts: health is
+/// SERVING while the store answers and every agent is `ready` (its tools
+/// discovered), NOT_SERVING otherwise. A PostgreSQL store is also migrated
+/// once it first answers (if start-up could not), and swept of idle
+/// sessions now and then.
 pub async fn follow_store(
     reporter: HealthReporter,
     store: Arc<dyn SessionStore>,
     postgres: Option<PostgresStore>,
+    ready: impl Fn() -> bool + Send,
     draining: CancellationToken,
     mut serving: bool,
 ) {
@@ -77,14 +79,18 @@ pub async fn follow_store(
         if draining.is_cancelled() {
             return;
         }
-        if ok != serving {
-            serving = ok;
-            if ok {
-                info!(store = store.name(), "session store reachable again: SERVING");
-            } else {
-                warn!(store = store.name(), "session store unreachable: NOT_SERVING");
+        let agents_ready = ready();
+        if ok != serving || (ok && agents_ready) != serving {
+            let now = ok && agents_ready;
+            if now != serving {
+                serving = now;
+                match (ok, agents_ready) {
+                    (true, true) => info!(store = store.name(), "session store and agents ready: SERVING"),
+                    (false, _) => warn!(store = store.name(), "session store unreachable: NOT_SERVING"),
+                    (true, false) => info!("agents not ready yet (tool discovery): NOT_SERVING"),
+                }
+                set(&reporter, now).await;
             }
-            set(&reporter, ok).await;
         }
     }
 }

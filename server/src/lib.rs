@@ -96,7 +96,7 @@ pub async fn run(
             (Arc::new(store.clone()), Some(store))
         }
     };
-    let agents = AgentServiceServer::new(AgentSvc::new(runtime, store.clone()))
+    let agents = AgentServiceServer::new(AgentSvc::new(runtime.clone(), store.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
@@ -104,10 +104,12 @@ pub async fn run(
     let draining = tokio_util::sync::CancellationToken::new();
     let health_svc =
         tonic_health::pb::health_server::HealthServer::new(health::Draining::new(health.clone(), draining.clone()));
-    let serving = store.ready().await.is_ok();
+    let serving = store.ready().await.is_ok() && runtime.ready();
     health::set(&health, serving).await;
     health.set_service_status(health::LIVENESS, tonic_health::ServingStatus::Serving).await;
-    tokio::spawn(health::follow_store(health.clone(), store, postgres, draining.clone(), serving));
+    let weak = Arc::downgrade(&runtime);
+    let ready = move || weak.upgrade().is_some_and(|r| r.ready());
+    tokio::spawn(health::follow_store(health.clone(), store, postgres, ready, draining.clone(), serving));
 
     // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.
     let reflection_v1 = tonic_reflection::server::Builder::configure()

@@ -124,17 +124,16 @@ fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
 
 fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
     let d = &a.def;
+    let specs = a.tools().map(|t| t.specs.as_slice()).unwrap_or_default();
     pb::Agent {
         name: d.name.clone(),
         description: d.description.clone(),
         model: d.model.label(),
         max_turns: d.max_turns,
-        tools: a
-            .tools
-            .specs
+        tools: specs
             .iter()
             .map(|s| {
-                let b = a.tools.bindings.get(&s.name);
+                let b = a.tools().and_then(|t| t.bindings.get(&s.name));
                 pb::AgentTool {
                     spec: Some(s.into()),
                     target: b.map(Binding::target).unwrap_or_default(),
@@ -187,6 +186,9 @@ impl AgentService for AgentSvc {
             .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&req.agent))))?;
         if req.prompt.trim().is_empty() {
             return Err(Status::invalid_argument("prompt must not be empty"));
+        }
+        if agent.tools().is_none() {
+            return Err(status::agent_error(&AgentError::NotReady(agent.def.name.clone())));
         }
         let (session_id, create) = match req.session_id {
             Some(id) if !plausible_session_id(&id) => return Err(Status::not_found("session not found")),

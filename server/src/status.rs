@@ -66,6 +66,7 @@ pub fn agent_error(e: &AgentError) -> Status {
         AgentError::DeadlineExceeded => Status::deadline_exceeded("the query's deadline passed"),
         AgentError::Cancelled => Status::cancelled("the query was cancelled"),
         AgentError::Store(s) => store_error(s),
+        AgentError::NotReady(_) => Status::unavailable(e.to_string()),
         AgentError::EventTooLarge { .. } => Status::resource_exhausted(format!(
             "{e}; nothing was stored (raise server.max_message_bytes, or query without include_model_requests)"
         )),

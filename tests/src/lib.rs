@@ -106,6 +106,16 @@ impl Lattice {
 
     /// [`Lattice::try_start`] with secrets looked up in `env`.
     pub async fn try_start_with_env(config: &str, env: &[(&str, &str)]) -> Result<Lattice, String> {
+        Self::launch(config, env, true).await
+    }
+
+    /// Starts Lattice and returns as soon as its health service answers,
+    /// SERVING or not (for a server that starts NOT_SERVING).
+    pub async fn start_unready(config: &str) -> Lattice {
+        Self::launch(config, &[], false).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
+    }
+
+    async fn launch(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
         capture_logs();
         let trace_dir = temp_dir("trace");
         let config = if config.contains("[server]") {
@@ -143,7 +153,7 @@ impl Lattice {
                 let h = lattice.handle.take().unwrap();
                 return Err(h.await.map_err(|e| e.to_string())?.err().unwrap_or_else(|| "stopped".into()));
             }
-            if lattice.healthy().await {
+            if lattice.healthy().await || (!serving && lattice.health_answers().await) {
                 return Ok(lattice);
             }
             if Instant::now() > deadline {
@@ -238,6 +248,14 @@ impl Lattice {
         tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.is_ok_and(|r| {
             r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
         })
+    }
+
+    async fn health_answers(&self) -> bool {
+        let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
+            return false;
+        };
+        let request = tonic_health::pb::HealthCheckRequest { service: String::new() };
+        tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.is_ok()
     }
 
     async fn healthy(&self) -> bool {

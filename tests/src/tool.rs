@@ -80,7 +80,21 @@ impl ToolServer {
     /// Starts a tool service offering `tools`, over TLS when `tls` is set
     /// (its `url` is then `https://`).
     pub async fn start_with(tools: Vec<ToolDef>, tls: Option<tonic::transport::ServerTlsConfig>) -> ToolServer {
-        let (listener, addr) = crate::bind().await;
+        let (listener, _) = crate::bind().await;
+        Self::serve(listener, tools, tls)
+    }
+
+    /// Starts a tool service on a bound listener.
+    pub async fn start_on(listener: tokio::net::TcpListener, tools: Vec<ToolDef>) -> ToolServer {
+        Self::serve(listener, tools, None)
+    }
+
+    fn serve(
+        listener: tokio::net::TcpListener,
+        tools: Vec<ToolDef>,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+    ) -> ToolServer {
+        let addr = listener.local_addr().unwrap();
         let state = Arc::new(ToolState { tools: Mutex::new(tools), ..Default::default() });
         let scheme = if tls.is_some() { "https" } else { "http" };
         let routes = tonic::service::Routes::new(ToolServiceServer::new(Scripted(state.clone())));

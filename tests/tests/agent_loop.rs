@@ -468,6 +468,35 @@ async fn a_long_session_is_read_in_pages() {
     assert_eq!(lattice.session_page(&sid, 0, "11").await.unwrap_err().code(), Code::InvalidArgument);
 }
 
+/// A tool service that is not up when Lattice starts no longer stops it:
+/// Lattice starts NOT_SERVING, the agent answers UNAVAILABLE ("not ready"),
+/// and once the service is up its tools are discovered and queries run,
+/// without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_service_that_starts_later_is_discovered_later() {
+    let (listener, addr) = lattice_tests::bind().await;
+    drop(listener);
+    let config = "[server]\ntool_discovery_timeout_ms = 300\n".to_owned()
+        + &cfg::agent("a", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("got {{last_tool_result}}", &[])
+        + &cfg::tools(&format!("http://{addr}"), 2000);
+    let lattice = Lattice::start_unready(&config).await;
+    assert!(!lattice.serving().await, "NOT_SERVING until the agent's tools are known");
+    let early = lattice.query("a", "go").await;
+    assert_eq!(early.code(), Code::Unavailable, "{:?}", early.status);
+    assert!(early.status.unwrap().message().contains("not ready"));
+
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let _tools = ToolServer::start_on(listener, vec![ToolDef::new("t", "late data")]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !lattice.serving().await {
+        assert!(std::time::Instant::now() < deadline, "the late tool service was never discovered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(lattice.query("a", "go").await.ok().text, "got late data");
+}
+
 /// Passes bytes through as they are: a client that sends whatever it likes.
 #[derive(Default)]
 struct RawCodec;
