@@ -26,8 +26,9 @@ wait_port() { # host port name
   exit 1
 }
 
-"$bin/lattice" example-tools --listen 127.0.0.1:50061 >"$logs/tools.log" 2>&1 & pids+=($!)
-"$bin/examples/redact" --listen 127.0.0.1:50071 >"$logs/redact.log" 2>&1 & pids+=($!)
+# No drain period on a laptop: stop at once when the script ends.
+"$bin/lattice" example-tools --listen 127.0.0.1:50061 --drain-ms 0 >"$logs/tools.log" 2>&1 & pids+=($!)
+LATTICE_HOOK_DRAIN_MS=0 "$bin/examples/redact" --listen 127.0.0.1:50071 >"$logs/redact.log" 2>&1 & pids+=($!)
 wait_port 127.0.0.1 50061 "the example tool service"
 wait_port 127.0.0.1 50071 "the redact hook"
 "$bin/lattice" serve --config deploy/examples/quickstart.toml >"$logs/lattice.log" 2>&1 & pids+=($!)

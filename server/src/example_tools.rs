@@ -104,18 +104,29 @@ impl ToolService for CustomerTools {
     }
 }
 
-/// Serves the example tools on `listener` until `shutdown` resolves.
+/// Serves the example tools on `listener` until `shutdown` resolves, then
+/// drains for `drain`: health NOT_SERVING at once, calls still served until
+/// the drain ends (so that a rolling update loses none), then GOAWAY and the
+/// calls in flight finish.
 pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
+    drain: std::time::Duration,
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<ToolServiceServer<CustomerTools>>().await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     info!(addr = ?listener.local_addr().ok(), "example tools serving");
+    let drained = async move {
+        shutdown.await;
+        health.set_not_serving::<ToolServiceServer<CustomerTools>>().await;
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        info!(drain_ms = drain.as_millis() as u64, "draining: NOT_SERVING, still serving calls");
+        tokio::time::sleep(drain).await;
+    };
     tonic::transport::Server::builder()
         .add_service(health_svc)
         .add_service(ToolServiceServer::new(CustomerTools::default()))
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), drained)
         .await
 }

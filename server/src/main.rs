@@ -68,6 +68,10 @@ enum Command {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:50061")]
         listen: SocketAddr,
+        /// After SIGTERM, keep serving (health NOT_SERVING) this long, so
+        /// that a rolling update loses no call.
+        #[arg(long, default_value_t = 6000)]
+        drain_ms: u64,
     },
 }
 
@@ -146,7 +150,7 @@ async fn main() -> ExitCode {
                 }
             }
         }
-        Command::ExampleTools { listen } => {
+        Command::ExampleTools { listen, drain_ms } => {
             init_logs(cli.log_format);
             let listener = match TcpListener::bind(listen).await {
                 Ok(l) => l,
@@ -155,7 +159,7 @@ async fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match example_tools::serve(listener, shutdown_signal()).await {
+            match example_tools::serve(listener, shutdown_signal(), Duration::from_millis(drain_ms)).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("example tools: {e}");

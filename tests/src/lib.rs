@@ -670,9 +670,10 @@ pub async fn start_example(name: &str, args: &[&str]) -> (String, Child) {
 pub async fn start_example_tools() -> (String, oneshot::Sender<()>) {
     let (l, addr) = bind().await;
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(lattice_server::example_tools::serve(l, async {
+    let stop = async {
         let _ = rx.await;
-    }));
+    };
+    tokio::spawn(lattice_server::example_tools::serve(l, stop, Duration::ZERO));
     (format!("http://{addr}"), tx)
 }
 

@@ -1,5 +1,5 @@
-//! The Rust hook SDK's serving: a hook that is stopped (SIGTERM, a rolling
-//! update) drains instead of dropping calls.
+//! Stopping peers without dropping calls: a hook served by the Rust SDK, and
+//! `lattice example-tools`, drain on SIGTERM (a rolling update).
 
 use std::time::{Duration, Instant};
 
@@ -85,4 +85,30 @@ async fn an_example_hook_exits_cleanly_after_sigterm() {
     let exit = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.expect("exits").unwrap();
     assert_eq!(exit.code(), Some(0));
     assert!(started.elapsed() >= Duration::from_millis(300), "exited before its drain: {:?}", started.elapsed());
+}
+
+/// `lattice example-tools` drains too: after SIGTERM its health says
+/// NOT_SERVING while it still answers calls, then it exits 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_example_tools_drain_after_sigterm() {
+    use lattice_proto::tools::v1::{ListToolsRequest, tool_service_client::ToolServiceClient};
+    let (listener, addr) = bind().await;
+    drop(listener);
+    let mut child = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["example-tools", "--listen", &addr.to_string(), "--drain-ms", "800"])
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    lattice_tests::wait_for_port(addr, "example-tools").await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
+    assert!(ToolServiceClient::new(channel).list_tools(ListToolsRequest {}).await.is_ok(), "served while draining");
+    let exit = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.expect("exits").unwrap();
+    assert_eq!(exit.code(), Some(0));
+    assert!(started.elapsed() >= Duration::from_millis(800), "exited before its drain: {:?}", started.elapsed());
 }
