@@ -116,6 +116,7 @@ struct RawServer {
     query_deadline_ms: Option<u64>,
     max_delegation_depth: Option<u32>,
     tool_discovery_timeout_ms: Option<u64>,
+    drain_ms: Option<u64>,
     trace_dir: Option<PathBuf>,
 }
 
@@ -383,6 +384,9 @@ pub struct ServerSettings {
     pub tool_discovery_timeout: Duration,
     /// When set, a JSONL trace file per session is written here.
     pub trace_dir: Option<PathBuf>,
+    /// After SIGTERM, keep accepting queries (health NOT_SERVING) this long
+    /// before stopping, so that clients still routed here are served.
+    pub drain: Duration,
 }
 
 /// One agent.
@@ -965,6 +969,7 @@ impl Validator<'_> {
             max_delegation_depth: s.max_delegation_depth.unwrap_or(defaults::MAX_DELEGATION_DEPTH),
             tool_discovery_timeout: ms(s.tool_discovery_timeout_ms.unwrap_or(defaults::TOOL_DISCOVERY_TIMEOUT_MS)),
             trace_dir: s.trace_dir,
+            drain: ms(s.drain_ms.unwrap_or(0)),
             hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
         }
     }

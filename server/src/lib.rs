@@ -123,12 +123,17 @@ pub async fn run(
 
     let addr = listener.local_addr().ok();
     info!(addr = ?addr, agents = config.agents.len(), "serving");
+    let drain = config.server.drain;
     let shutdown = async move {
         shutdown.await;
-        info!("shutting down: refusing new connections, finishing in-flight queries");
         // Stops the store watcher first, so that it can't say SERVING again.
         draining.cancel();
         health::set(&health, false).await;
+        if !drain.is_zero() {
+            info!(drain_ms = drain.as_millis() as u64, "draining: NOT_SERVING, still accepting queries");
+            tokio::time::sleep(drain).await;
+        }
+        info!("shutting down: refusing new connections, finishing in-flight queries");
     };
     let mut grpc = tonic::service::Routes::builder();
     grpc.add_service(health_svc).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);

@@ -497,6 +497,25 @@ async fn a_tool_service_that_starts_later_is_discovered_later() {
     assert_eq!(lattice.query("a", "go").await.ok().text, "got late data");
 }
 
+/// With `server.drain_ms`, a stopping server says NOT_SERVING at once but
+/// still serves the queries that arrive during the drain (clients that were
+/// still routed to it), then stops.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopping_server_serves_through_its_drain() {
+    let config = "[server]\ndrain_ms = 800\n".to_owned() + &cfg::agent("a", "") + &cfg::turn("hi", &[]);
+    let lattice = Lattice::start(&config).await;
+    let client = Lattice::remote(&lattice.url).await;
+    let url = lattice.url.clone();
+    let started = std::time::Instant::now();
+    let stopping = tokio::spawn(lattice.stop());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let watcher = Lattice::remote_unchecked(&url);
+    assert!(!watcher.serving().await, "NOT_SERVING as soon as the drain starts");
+    assert_eq!(client.query("a", "during the drain").await.ok().text, "hi");
+    stopping.await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(800), "stopped after {:?}", started.elapsed());
+}
+
 /// Passes bytes through as they are: a client that sends whatever it likes.
 #[derive(Default)]
 struct RawCodec;
