@@ -80,17 +80,15 @@ pub async fn follow_store(
             return;
         }
         let agents_ready = ready();
-        if ok != serving || (ok && agents_ready) != serving {
-            let now = ok && agents_ready;
-            if now != serving {
-                serving = now;
-                match (ok, agents_ready) {
-                    (true, true) => info!(store = store.name(), "session store and agents ready: SERVING"),
-                    (false, _) => warn!(store = store.name(), "session store unreachable: NOT_SERVING"),
-                    (true, false) => info!("agents not ready yet (tool discovery): NOT_SERVING"),
-                }
-                set(&reporter, now).await;
+        let now = ok && agents_ready;
+        if now != serving {
+            serving = now;
+            match (ok, agents_ready) {
+                (true, true) => info!(store = store.name(), "session store and agents ready: SERVING"),
+                (false, _) => warn!(store = store.name(), "session store unreachable: NOT_SERVING"),
+                (true, false) => info!("agents not ready yet (tool discovery): NOT_SERVING"),
             }
+            set(&reporter, now).await;
         }
     }
 }
