@@ -441,6 +441,10 @@ impl Runtime {
         turn: u32,
         uses: &[ToolUse],
     ) -> Result<Vec<ToolResult>, AgentError> {
+        // No side effects whose results could only be thrown away.
+        if let Some(first) = uses.first() {
+            agent.hooks.preflight_tool_results(&first.id)?;
+        }
         let mut calls = Vec::with_capacity(uses.len());
         for (i, u) in uses.iter().enumerate() {
             calls.push(self.run_tool(agent, ctx, turn, i, u));

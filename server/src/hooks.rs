@@ -269,6 +269,26 @@ impl HookChain {
         self.hooks.iter().any(|h| h.events.tool_result)
     }
 
+    /// Before a reply's tool calls run: fails when an OnToolResult hook has
+    /// no address at all right now (a `dns:///` name that resolves to
+    /// nothing), since every result would then be thrown away after the
+    /// tools' side effects. `tool_use_id` is the first call's, for the error.
+    pub fn preflight_tool_results(&self, tool_use_id: &str) -> Result<(), ChainError> {
+        let Some(hook) = self.hooks.iter().find(|h| h.events.tool_result && h.addresses.none()) else {
+            return Ok(());
+        };
+        let labels = vec![
+            ("agent", self.agent.clone()),
+            ("hook", hook.name.clone()),
+            ("event", HookEvent::ToolResult.to_string()),
+        ];
+        let now = Instant::now();
+        self.metrics.start_call(Family::HookCalls, Family::HookCallDuration, labels, now).finish("unavailable");
+        warn!(agent = %self.agent, hook = %hook.name, "hook has no address: query aborted before its tool calls");
+        let subject = HookSubject::ToolUse(tool_use_id.to_owned());
+        Err(self.error(hook, HookEvent::ToolResult, subject, HookFailure::Unavailable).into())
+    }
+
     fn error(&self, hook: &Hook, event: HookEvent, subject: HookSubject, failure: HookFailure) -> HookError {
         HookError { agent: self.agent.clone(), hook: hook.name.clone(), event, subject, failure }
     }

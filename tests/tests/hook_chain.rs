@@ -509,6 +509,9 @@ async fn dns_endpoints_resolve_and_fail_closed_without_an_address() {
     assert_eq!(out.hook_failure()["kind"], "unavailable");
     assert!(out.elapsed < Duration::from_millis(1000), "took {:?} (the hook's deadline is 2 s)", out.elapsed);
     assert_no_leak(&secret, &lattice, &out);
+    // Preflight: with the tool_result hook unreachable, the tool was not
+    // even called (its result could only have been thrown away).
+    assert_eq!(tools.state.calls.lock().unwrap().len(), 1, "only the first server's query called the tool");
 }
 
 /// Prometheus metrics at `GET /metrics` on the gRPC port count what
