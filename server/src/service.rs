@@ -163,6 +163,7 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
         max_tool_calls_per_turn: d.max_tool_calls_per_turn as u32,
         allow: d.permissions.allow.clone(),
         deny: d.permissions.deny.clone(),
+        ready: a.tools().is_some(),
     }
 }
 

@@ -483,6 +483,11 @@ async fn a_tool_service_that_starts_later_is_discovered_later() {
         + &cfg::tools(&format!("http://{addr}"), 2000);
     let lattice = Lattice::start_unready(&config).await;
     assert!(!lattice.serving().await, "NOT_SERVING until the agent's tools are known");
+    let ready = || async {
+        let request = pb::GetAgentRequest { name: "a".into() };
+        lattice.client().await.get_agent(request).await.unwrap().into_inner().ready
+    };
+    assert!(!ready().await, "GetAgent says the agent is not ready");
     let early = lattice.query("a", "go").await;
     assert_eq!(early.code(), Code::Unavailable, "{:?}", early.status);
     assert!(early.status.unwrap().message().contains("not ready"));
@@ -495,6 +500,7 @@ async fn a_tool_service_that_starts_later_is_discovered_later() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(lattice.query("a", "go").await.ok().text, "got late data");
+    assert!(ready().await);
 }
 
 /// With `server.drain_ms`, a stopping server says NOT_SERVING at once but
