@@ -82,7 +82,7 @@ async fn connect(addr: &str) -> Result<tonic::transport::Channel, QueryError> {
         .map_err(|e| fail(e.to_string(), "write the address as a URL, e.g. http://127.0.0.1:50051"))?
         .connect_timeout(CONNECT_TIMEOUT);
     endpoint.connect().await.map_err(|e| {
-        let reason = error_chain(&e);
+        let reason = crate::peer::error_chain(&e);
         let hint = if reason.contains("dns error") || reason.contains("failed to lookup") {
             "the host name does not resolve: check --addr"
         } else {
@@ -90,18 +90,6 @@ async fn connect(addr: &str) -> Result<tonic::transport::Channel, QueryError> {
         };
         fail(reason, hint)
     })
-}
-
-/// An error and its sources, "a: b: c".
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// Runs the query, printing each event to `out`. Returns `Ok` after a

@@ -194,7 +194,8 @@ pub fn check(endpoint: &str, tls: Option<&Tls>) -> Result<(), String> {
     Checked::new(endpoint, tls).map(|_| ())
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// An error and its sources, "a: b: c" (local errors only: never a peer's bytes).
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

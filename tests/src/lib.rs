@@ -246,33 +246,23 @@ impl Lattice {
     /// Whether health says `service` ("" for the server as a whole) is
     /// SERVING now.
     pub async fn serving_as(&self, service: &str) -> bool {
-        let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
-            return false;
-        };
+        self.health_of(service).await == Some(tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+    }
+
+    /// The status health reports for `service`, if it answers at all.
+    async fn health_of(&self, service: &str) -> Option<i32> {
+        let ch = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await.ok()?;
         let request = tonic_health::pb::HealthCheckRequest { service: service.into() };
-        tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.is_ok_and(|r| {
-            r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-        })
+        let reply = tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.ok()?;
+        Some(reply.into_inner().status)
     }
 
     async fn health_answers(&self) -> bool {
-        let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
-            return false;
-        };
-        let request = tonic_health::pb::HealthCheckRequest { service: String::new() };
-        tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.is_ok()
+        self.health_of("").await.is_some()
     }
 
     async fn healthy(&self) -> bool {
-        let Ok(ch) = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await else {
-            return false;
-        };
-        let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
-        h.check(tonic_health::pb::HealthCheckRequest { service: "lattice.agent.v1.AgentService".into() })
-            .await
-            .is_ok_and(|r| {
-                r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-            })
+        self.serving_as("lattice.agent.v1.AgentService").await
     }
 
     /// A client.
