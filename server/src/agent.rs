@@ -243,8 +243,15 @@ impl Runtime {
         let mut order = Vec::new();
         let metrics = Arc::new(Metrics::default());
         for def in &config.agents {
-            let hooks = HookChain::new(&def.name, &def.hooks, config.server.hook_max_message_bytes, metrics.clone())
-                .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
+            let server = &config.server;
+            let hooks = HookChain::new(
+                &def.name,
+                &def.hooks,
+                server.hook_max_message_bytes,
+                server.peer_health_check,
+                metrics.clone(),
+            )
+            .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
             // Start-up waits for the tool services up to
             // tool_discovery_timeout; one that hasn't answered by then no
             // longer stops the server: the agent is discovered later.
@@ -279,9 +286,16 @@ impl Runtime {
         })
     }
 
-    /// Whether every agent is ready (its tools discovered).
-    pub fn ready(&self) -> bool {
-        self.agents.values().all(|a| a.tools().is_some())
+    /// Whether every agent is ready: its tools discovered, and each of its
+    /// required hooks with a ready address. The error says what is not.
+    pub fn ready(&self) -> Result<(), String> {
+        for agent in self.agents() {
+            if agent.tools().is_none() {
+                return Err(format!("agent {:?}: tools not discovered yet", agent.def.name));
+            }
+            agent.hooks.required_ready()?;
+        }
+        Ok(())
     }
 
     /// An agent by name.
@@ -527,8 +541,8 @@ impl Runtime {
                     };
                     let call_deadline = ctx.scope.deadline.min(Instant::now() + binding.deadline());
                     let raw = match binding {
-                        Binding::Remote { client, addresses, endpoint, .. } => {
-                            call_remote(client, addresses, endpoint, call, &ctx.scope, call_deadline).await
+                        Binding::Remote { client, peer, endpoint, .. } => {
+                            call_remote(client, peer, endpoint, call, &ctx.scope, call_deadline).await
                         }
                         Binding::Agent { agent: target, .. } => self.delegate(ctx, call, target, call_deadline).await?,
                     };

@@ -58,6 +58,8 @@ pub mod defaults {
     pub const PEER_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
     /// How long start-up waits for ListTools of each tool service.
     pub const TOOL_DISCOVERY_TIMEOUT_MS: u64 = 10_000;
+    /// How often each hook and tool address is health-checked.
+    pub const PEER_HEALTH_CHECK_MS: u64 = 1_000;
     /// The listen address.
     pub const LISTEN: std::net::SocketAddr =
         std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 50051);
@@ -117,6 +119,7 @@ struct RawServer {
     max_delegation_depth: Option<u32>,
     tool_discovery_timeout_ms: Option<u64>,
     drain_ms: Option<u64>,
+    peer_health_check_ms: Option<u64>,
     trace_dir: Option<PathBuf>,
 }
 
@@ -216,6 +219,8 @@ struct RawHook {
     deadline_ms: Option<Spanned<u64>>,
     #[serde(default = "yes")]
     enabled: bool,
+    #[serde(default = "yes")]
+    required: bool,
 }
 
 /// TLS to a tool or hook service. Paths are relative to the config file.
@@ -387,6 +392,9 @@ pub struct ServerSettings {
     /// After SIGTERM, keep accepting queries (health NOT_SERVING) this long
     /// before stopping, so that clients still routed here are served.
     pub drain: Duration,
+    /// How often each address of a hook or tool service is health-checked;
+    /// `None`: never (readiness then follows calls alone).
+    pub peer_health_check: Option<Duration>,
 }
 
 /// One agent.
@@ -592,6 +600,9 @@ pub struct HookDef {
     pub deadline: Duration,
     /// Disabled entries are skipped.
     pub enabled: bool,
+    /// Lattice reports NOT_SERVING while this hook has no ready address
+    /// (every query of the agent would abort).
+    pub required: bool,
 }
 
 // ------------------------------------------------------------- errors ----
@@ -970,6 +981,9 @@ impl Validator<'_> {
             tool_discovery_timeout: ms(s.tool_discovery_timeout_ms.unwrap_or(defaults::TOOL_DISCOVERY_TIMEOUT_MS)),
             trace_dir: s.trace_dir,
             drain: ms(s.drain_ms.unwrap_or(0)),
+            peer_health_check: Some(s.peer_health_check_ms.unwrap_or(defaults::PEER_HEALTH_CHECK_MS))
+                .filter(|v| *v > 0)
+                .map(ms),
             hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
         }
     }
@@ -1185,6 +1199,7 @@ impl Validator<'_> {
                 events,
                 deadline,
                 enabled: h.enabled,
+                required: h.required,
             });
         }
 

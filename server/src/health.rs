@@ -46,14 +46,15 @@ pub async fn set(reporter: &HealthReporter, serving: bool) {
 
 /// Follows the store and the agents until draining starts: health is
 /// SERVING while the store answers and every agent is `ready` (its tools
-/// discovered), NOT_SERVING otherwise. A PostgreSQL store is also migrated
+/// discovered, its required hooks with a ready address), NOT_SERVING
+/// otherwise. A PostgreSQL store is also migrated
 /// once it first answers (if start-up could not), and swept of idle
 /// sessions now and then.
 pub async fn follow_store(
     reporter: HealthReporter,
     store: Arc<dyn SessionStore>,
     postgres: Option<PostgresStore>,
-    ready: impl Fn() -> bool + Send,
+    ready: impl Fn() -> Result<(), String> + Send,
     draining: CancellationToken,
     mut serving: bool,
 ) {
@@ -80,13 +81,13 @@ pub async fn follow_store(
             return;
         }
         let agents_ready = ready();
-        let now = ok && agents_ready;
+        let now = ok && agents_ready.is_ok();
         if now != serving {
             serving = now;
             match (ok, agents_ready) {
-                (true, true) => info!(store = store.name(), "session store and agents ready: SERVING"),
+                (true, Ok(())) => info!(store = store.name(), "session store and agents ready: SERVING"),
                 (false, _) => warn!(store = store.name(), "session store unreachable: NOT_SERVING"),
-                (true, false) => info!("agents not ready yet (tool discovery): NOT_SERVING"),
+                (true, Err(why)) => warn!(reason = %why, "an agent is not ready: NOT_SERVING"),
             }
             set(&reporter, now).await;
         }

@@ -17,17 +17,13 @@
 //! A failure's kind is decided from the error's structure, never from text
 //! the hook controls: see [`classify`].
 
-mod transport;
-
 use std::{fmt, sync::Arc, time::Duration};
 
 use lattice_proto::{agent::v1 as apb, hooks::v1 as pb};
 use prost::Message as _;
 use tokio::time::Instant;
-use tonic::{Code, metadata::MetadataValue, transport::Channel};
+use tonic::Code;
 use tracing::{Instrument, debug, info, info_span, warn};
-pub use transport::HookTransport;
-use transport::Probe;
 
 use crate::{
     config::{HookDef, HookEvents},
@@ -36,7 +32,7 @@ use crate::{
         JsonObject, Message, ModelRequest, ResultSource, Role, Step, ToolFailure, ToolResult, validate_conversation,
     },
     metrics::{Family, Metrics},
-    peer::{Addresses, Peer},
+    peer::{CallDeadline, Peer, Probe},
     status::code_name,
 };
 
@@ -202,8 +198,10 @@ struct Hook {
     name: String,
     events: HookEvents,
     deadline: Duration,
-    client: pb::hook_service_client::HookServiceClient<HookTransport>,
-    addresses: Addresses,
+    client: pb::hook_service_client::HookServiceClient<Peer>,
+    peer: Peer,
+    /// Whether Lattice is ready only while this hook has a ready address.
+    required: bool,
 }
 
 /// An agent's enabled hooks, in registered order.
@@ -216,14 +214,6 @@ pub struct HookChain {
     metrics: Arc<Metrics>,
 }
 
-/// A `grpc-timeout` header value for `d`: microseconds while they fit the
-/// header's 8 digits, milliseconds beyond.
-fn grpc_timeout(d: Duration) -> MetadataValue<tonic::metadata::Ascii> {
-    let us = d.as_micros();
-    let text = if us < 100_000_000 { format!("{}u", us.max(1)) } else { format!("{}m", d.as_millis().min(99_999_999)) };
-    MetadataValue::try_from(text).unwrap_or_else(|_| MetadataValue::from_static("1m"))
-}
-
 impl HookChain {
     /// The chain of `agent`'s enabled hooks (disabled entries are skipped).
     /// On error, names the hook whose endpoint could not be used.
@@ -231,37 +221,58 @@ impl HookChain {
         agent: &str,
         defs: &[HookDef],
         max_message_bytes: usize,
+        health_every: Option<Duration>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, (String, String)> {
         let mut peers = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
-            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline).map_err(|e| (d.name.clone(), e))?;
-            peers.push((d.clone(), peer.channel, peer.addresses));
+            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline, health_every)
+                .map_err(|e| (d.name.clone(), e))?;
+            peers.push((d.clone(), peer));
         }
         Ok(Self::over(agent, peers, max_message_bytes, metrics))
     }
 
-    /// The chain over ready channels, one per enabled hook, in order (tests
-    /// pass in-process channels here).
-    pub fn over(
-        agent: &str,
-        hooks: Vec<(HookDef, Channel, Addresses)>,
-        max_message_bytes: usize,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    /// The chain over peers, one per enabled hook, in order (tests pass
+    /// in-process peers here). Each hook's ready addresses are a gauge.
+    pub fn over(agent: &str, hooks: Vec<(HookDef, Peer)>, max_message_bytes: usize, metrics: Arc<Metrics>) -> Self {
         let hooks = hooks
             .into_iter()
-            .map(|(d, channel, addresses)| Hook {
-                client: pb::hook_service_client::HookServiceClient::new(HookTransport::new(channel))
-                    .max_decoding_message_size(max_message_bytes)
-                    .max_encoding_message_size(max_message_bytes),
-                name: d.name,
-                events: d.events,
-                deadline: d.deadline,
-                addresses,
+            .map(|(d, peer)| {
+                metrics.gauge(
+                    Family::HookReadyAddresses,
+                    vec![("agent", agent.to_owned()), ("hook", d.name.clone())],
+                    peer.ready_gauge(),
+                );
+                Hook {
+                    client: pb::hook_service_client::HookServiceClient::new(peer.clone())
+                        .max_decoding_message_size(max_message_bytes)
+                        .max_encoding_message_size(max_message_bytes),
+                    name: d.name,
+                    events: d.events,
+                    deadline: d.deadline,
+                    required: d.required,
+                    peer,
+                }
             })
             .collect();
         Self { agent: agent.to_owned(), hooks, max_message_bytes, metrics }
+    }
+
+    /// Each hook's name, how many of its addresses are ready now, and
+    /// whether it is required (see [`HookChain::required_ready`]).
+    pub fn readiness(&self) -> Vec<(String, usize, bool)> {
+        self.hooks.iter().map(|h| (h.name.clone(), h.peer.ready_addresses(), h.required)).collect()
+    }
+
+    /// The first required hook with no ready address, if any: while there
+    /// is one, every query of this agent would abort, so Lattice reports
+    /// NOT_SERVING.
+    pub fn required_ready(&self) -> Result<(), String> {
+        match self.hooks.iter().find(|h| h.required && h.peer.ready_addresses() == 0) {
+            Some(h) => Err(format!("hook {:?} of agent {:?} has no ready address", h.name, self.agent)),
+            None => Ok(()),
+        }
     }
 
     /// Whether any enabled hook handles tool results.
@@ -270,11 +281,12 @@ impl HookChain {
     }
 
     /// Before a reply's tool calls run: fails when an OnToolResult hook has
-    /// no address at all right now (a `dns:///` name that resolves to
-    /// nothing), since every result would then be thrown away after the
+    /// no ready address right now (a `dns:///` name that resolves to
+    /// nothing, or whose every address refused, went away or reports
+    /// NOT_SERVING), since every result would then be thrown away after the
     /// tools' side effects. `tool_use_id` is the first call's, for the error.
     pub fn preflight_tool_results(&self, tool_use_id: &str) -> Result<(), ChainError> {
-        let Some(hook) = self.hooks.iter().find(|h| h.events.tool_result && h.addresses.none()) else {
+        let Some(hook) = self.hooks.iter().find(|h| h.events.tool_result && h.peer.none()) else {
             return Ok(());
         };
         let labels = vec![
@@ -284,7 +296,7 @@ impl HookChain {
         ];
         let now = Instant::now();
         self.metrics.start_call(Family::HookCalls, Family::HookCallDuration, labels, now).finish("unavailable");
-        warn!(agent = %self.agent, hook = %hook.name, "hook has no address: query aborted before its tool calls");
+        warn!(agent = %self.agent, hook = %hook.name, "hook has no ready address: query aborted before its tool calls");
         let subject = HookSubject::ToolUse(tool_use_id.to_owned());
         Err(self.error(hook, HookEvent::ToolResult, subject, HookFailure::Unavailable).into())
     }
@@ -434,13 +446,15 @@ impl HookChain {
             HookFailure::RequestTooLarge { bytes, limit: self.max_message_bytes }
         } else if budget.is_zero() {
             HookFailure::Deadline
-        } else if hook.addresses.none() {
+        } else if hook.peer.none() {
             HookFailure::Unavailable
         } else {
             span.record("budget_ms", budget.as_millis() as u64);
             let probe = Probe::default();
             let mut request = tonic::Request::new(message);
-            request.metadata_mut().insert("grpc-timeout", grpc_timeout(budget));
+            // The transport sends the time left as grpc-timeout (on a
+            // transparent retry too; see `peer`).
+            request.extensions_mut().insert(CallDeadline(call_deadline));
             request.extensions_mut().insert(probe.clone());
             match tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await {
                 Err(_elapsed) => HookFailure::Deadline,

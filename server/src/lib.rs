@@ -104,11 +104,11 @@ pub async fn run(
     let draining = tokio_util::sync::CancellationToken::new();
     let health_svc =
         tonic_health::pb::health_server::HealthServer::new(health::Draining::new(health.clone(), draining.clone()));
-    let serving = store.ready().await.is_ok() && runtime.ready();
+    let serving = store.ready().await.is_ok() && runtime.ready().is_ok();
     health::set(&health, serving).await;
     health.set_service_status(health::LIVENESS, tonic_health::ServingStatus::Serving).await;
     let weak = Arc::downgrade(&runtime);
-    let ready = move || weak.upgrade().is_some_and(|r| r.ready());
+    let ready = move || weak.upgrade().map_or(Err("stopping".to_owned()), |r| r.ready());
     tokio::spawn(health::follow_store(health.clone(), store, postgres, ready, draining.clone(), serving));
 
     // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.

@@ -13,7 +13,7 @@ use std::{
     future::{Ready, ready},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicI64, Ordering},
+        atomic::{AtomicI64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -42,6 +42,8 @@ pub enum Family {
     ModelRequests,
     /// Model request duration, by agent and provider.
     ModelRequestDuration,
+    /// Ready addresses of each hook, by agent and hook.
+    HookReadyAddresses,
 }
 
 impl Family {
@@ -54,6 +56,7 @@ impl Family {
             Family::ToolCalls => "lattice_tool_calls_total",
             Family::ModelRequests => "lattice_model_requests_total",
             Family::ModelRequestDuration => "lattice_model_request_duration_seconds",
+            Family::HookReadyAddresses => "lattice_hook_ready_addresses",
         }
     }
 
@@ -70,6 +73,9 @@ impl Family {
                 "Model requests (retries included) by outcome (ok, deadline, cancelled, or the error kind)."
             }
             Family::ModelRequestDuration => "Model request duration, retries included.",
+            Family::HookReadyAddresses => {
+                "Addresses of each hook that can take calls now (resolved, connecting, not draining)."
+            }
         }
     }
 }
@@ -88,6 +94,8 @@ struct Histogram {
 struct Registry {
     counters: BTreeMap<(Family, Labels), u64>,
     histograms: BTreeMap<(Family, Labels), Histogram>,
+    /// Read when rendered; whoever owns the value keeps it current.
+    gauges: BTreeMap<(Family, Labels), Arc<AtomicUsize>>,
 }
 
 /// The metrics of one server.
@@ -102,6 +110,13 @@ impl Metrics {
     pub fn count(&self, family: Family, labels: Labels) {
         if let Ok(mut r) = self.registry.lock() {
             *r.counters.entry((family, labels)).or_default() += 1;
+        }
+    }
+
+    /// Shows `value` as a gauge (read at each scrape).
+    pub fn gauge(&self, family: Family, labels: Labels, value: Arc<AtomicUsize>) {
+        if let Ok(mut r) = self.registry.lock() {
+            r.gauges.insert((family, labels), value);
         }
     }
 
@@ -151,6 +166,13 @@ impl Metrics {
         let _ = writeln!(out, "lattice_queries_in_flight {}", self.in_flight.load(Ordering::Relaxed));
         let Ok(r) = self.registry.lock() else { return out };
         let mut last = None;
+        for ((family, labels), value) in &r.gauges {
+            if last != Some(*family) {
+                header(&mut out, *family, "gauge");
+                last = Some(*family);
+            }
+            let _ = writeln!(out, "{}{} {}", family.name(), label_text(labels, None), value.load(Ordering::Relaxed));
+        }
         for ((family, labels), value) in &r.counters {
             if last != Some(*family) {
                 header(&mut out, *family, "counter");

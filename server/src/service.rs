@@ -125,6 +125,8 @@ fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
 fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
     let d = &a.def;
     let specs = a.tools().map(|t| t.specs.as_slice()).unwrap_or_default();
+    let readiness = a.hooks.readiness();
+    let ready_addresses = |name: &str| readiness.iter().find(|(n, ..)| n == name).map_or(0, |(_, r, _)| *r as u32);
     pb::Agent {
         name: d.name.clone(),
         description: d.description.clone(),
@@ -157,13 +159,15 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
                 enabled: h.enabled,
                 tls: peer::uses_tls(&h.endpoint, h.tls.as_ref()),
                 client_certificate: h.tls.as_ref().is_some_and(|t| t.identity.is_some()),
+                ready_addresses: if h.enabled { ready_addresses(&h.name) } else { 0 },
+                required: h.required,
             })
             .collect(),
         parallel_tool_calls: d.parallel_tool_calls as u32,
         max_tool_calls_per_turn: d.max_tool_calls_per_turn as u32,
         allow: d.permissions.allow.clone(),
         deny: d.permissions.deny.clone(),
-        ready: a.tools().is_some(),
+        ready: a.tools().is_some() && a.hooks.required_ready().is_ok(),
     }
 }
 

@@ -9,14 +9,13 @@ use std::{collections::HashMap, time::Duration};
 use lattice_proto::tools::v1 as pb;
 use serde_json::Value;
 use tokio::time::Instant;
-use tonic::transport::Channel;
 use tracing::{debug, info};
 
 use crate::{
     config::{AgentDef, ServerSettings},
     convert,
     domain::{JsonObject, ResultSource, Scope, ToolErrorKind, ToolFailure, ToolResult, ToolSpec, ToolUse},
-    peer::{Addresses, Peer},
+    peer::{CallDeadline, Peer},
 };
 
 /// Where a tool's calls go.
@@ -28,10 +27,10 @@ pub enum Binding {
         endpoint: String,
         /// The call's deadline.
         deadline: Duration,
-        /// The client (a cheap clone of one multiplexed channel).
-        client: pb::tool_service_client::ToolServiceClient<Channel>,
-        /// Whether a `dns:///` endpoint has an address now.
-        addresses: Addresses,
+        /// The client (a cheap clone; every clone shares the connections).
+        client: pb::tool_service_client::ToolServiceClient<Peer>,
+        /// The service's addresses and their readiness.
+        peer: Peer,
         /// Whether calls use TLS.
         tls: bool,
     },
@@ -184,14 +183,15 @@ impl AgentTools {
     pub async fn build(def: &AgentDef, settings: &ServerSettings) -> Result<Self, ToolSetupError> {
         let mut tools = AgentTools::default();
         for source in &def.tool_sources {
-            let peer = Peer::connect(&source.endpoint, source.tls.as_ref(), settings.tool_discovery_timeout).map_err(
-                |reason| ToolSetupError::Endpoint {
-                    agent: def.name.clone(),
-                    endpoint: source.endpoint.clone(),
-                    reason,
-                },
-            )?;
-            let client = pb::tool_service_client::ToolServiceClient::new(peer.channel)
+            let connect_timeout = settings.tool_discovery_timeout;
+            let peer =
+                Peer::connect(&source.endpoint, source.tls.as_ref(), connect_timeout, settings.peer_health_check)
+                    .map_err(|reason| ToolSetupError::Endpoint {
+                        agent: def.name.clone(),
+                        endpoint: source.endpoint.clone(),
+                        reason,
+                    })?;
+            let client = pb::tool_service_client::ToolServiceClient::new(peer.clone())
                 .max_decoding_message_size(settings.tool_max_message_bytes)
                 .max_encoding_message_size(settings.tool_max_message_bytes);
             let specs = match &source.declared {
@@ -213,7 +213,7 @@ impl AgentTools {
                     endpoint: source.endpoint.clone(),
                     deadline: source.deadline,
                     client: client.clone(),
-                    addresses: peer.addresses.clone(),
+                    peer: peer.clone(),
                     tls: peer.tls,
                 };
                 tools.add(&def.name, spec, binding)?;
@@ -244,7 +244,7 @@ impl AgentTools {
 async fn discover(
     agent: &str,
     endpoint: &str,
-    mut client: pb::tool_service_client::ToolServiceClient<Channel>,
+    mut client: pb::tool_service_client::ToolServiceClient<Peer>,
     timeout: Duration,
 ) -> Result<Vec<ToolSpec>, ToolSetupError> {
     let give_up = Instant::now() + timeout;
@@ -283,8 +283,8 @@ async fn discover(
 /// error result for the model. Dropping the future cancels the RPC (the
 /// HTTP/2 stream is reset, which the tool service observes).
 pub async fn call_remote(
-    client: &pb::tool_service_client::ToolServiceClient<Channel>,
-    addresses: &Addresses,
+    client: &pb::tool_service_client::ToolServiceClient<Peer>,
+    peer: &Peer,
     endpoint: &str,
     call: &ToolUse,
     scope: &Scope,
@@ -298,8 +298,8 @@ pub async fn call_remote(
     if budget.is_zero() {
         return failed(K::Deadline, format!("tool {:?} was not called: no time left", call.name));
     }
-    if addresses.none() {
-        return failed(K::RpcFailed, format!("tool {:?} was not called: its service has no address", call.name));
+    if peer.none() {
+        return failed(K::RpcFailed, format!("tool {:?} was not called: its service has no ready address", call.name));
     }
     let mut request = tonic::Request::new(pb::CallToolRequest {
         tool_use_id: call.id.clone(),
@@ -311,7 +311,9 @@ pub async fn call_remote(
             query_id: scope.query_id.clone(),
         }),
     });
-    request.set_timeout(budget);
+    // The transport sends the time left as grpc-timeout (on a transparent
+    // retry too; see `peer`).
+    request.extensions_mut().insert(CallDeadline(deadline));
     let mut client = client.clone();
     match tokio::time::timeout_at(deadline, client.call_tool(request)).await {
         Err(_) => failed(K::Deadline, format!("tool {:?} did not answer within {} ms", call.name, budget.as_millis())),

@@ -504,7 +504,10 @@ async fn dns_endpoints_resolve_and_fail_closed_without_an_address() {
     }
     assert_eq!(hook.state.tool_results().len(), 1);
 
-    let lattice = Lattice::start(&agent("dns:///no-such-hook.invalid:50071")).await;
+    // A required hook (the default) with no address: NOT_SERVING, and a
+    // query fails at once.
+    let lattice = Lattice::start_unready(&agent("dns:///no-such-hook.invalid:50071")).await;
+    assert!(!lattice.serving().await, "a required hook has no address: NOT_SERVING");
     let out = lattice.query("x", "go").await;
     assert_eq!(out.hook_failure()["kind"], "unavailable");
     assert!(out.elapsed < Duration::from_millis(1000), "took {:?} (the hook's deadline is 2 s)", out.elapsed);

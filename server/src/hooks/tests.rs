@@ -86,9 +86,10 @@ fn chain(hooks: &[(&'static str, Duration, Duration)]) -> (HookChain, Vec<Arc<Mu
             events: HookEvents { tool_result: true, model_request: true },
             deadline: *deadline,
             enabled: true,
+            required: true,
         };
         let channel = in_process(Fake { delay: *delay, marker, seen: log.clone() });
-        peers.push((def, channel, Addresses::default()));
+        peers.push((def, Peer::over(channel)));
         seen.push(log);
     }
     (HookChain::over("agent", peers, 1 << 20, Arc::new(Metrics::default())), seen)
@@ -191,4 +192,83 @@ fn a_window_starts_at_a_clean_user_message() {
     // the tool_result at index 2 cannot start a conversation.
     assert_eq!(window(&messages, &encoded, 50, 1_500), 4);
     assert_eq!(window(&messages, &encoded, 50, 60), 0, "nothing fits: nothing is cut");
+}
+
+/// A channel whose every connection attempt is refused after `after` (a
+/// replica that went away): nothing is ever sent on it.
+fn refusing(after: Duration) -> Channel {
+    let connect = tower::service_fn(move |_| async move {
+        tokio::time::sleep(after).await;
+        Err::<TokioIo<tokio::io::DuplexStream>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+    });
+    Endpoint::from_static("http://in-process").connect_with_connector_lazy(connect)
+}
+
+/// One tool_result hook `hooka` (deadline `deadline`) over several
+/// addresses, tried in this order.
+fn replicated(channels: Vec<Channel>, deadline: Duration) -> (HookChain, Peer) {
+    let def = HookDef {
+        name: "hooka".into(),
+        endpoint: "dns:///in-process:1".into(),
+        tls: None,
+        events: HookEvents { tool_result: true, model_request: false },
+        deadline,
+        enabled: true,
+        required: true,
+    };
+    let peer = Peer::over_all(channels);
+    (HookChain::over("agent", vec![(def, peer.clone())], 1 << 20, Arc::new(Metrics::default())), peer)
+}
+
+/// A call refused by one address (it never left Lattice) is sent to the
+/// next one within the same budget: the retry's grpc-timeout is what is
+/// left, and the refusing address leaves the ready set.
+#[tokio::test(start_paused = true)]
+async fn a_refused_call_is_retried_on_another_address_within_its_budget() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let good = in_process(Fake { delay: MS(5), marker: "a", seen: seen.clone() });
+    let (chain, peer) = replicated(vec![refusing(MS(100)), good], MS(1000));
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    assert_eq!(out.unwrap().content, vec!["xa".to_owned()]);
+    assert_eq!(took, MS(105));
+    assert_eq!(*seen.lock().unwrap(), vec!["900000u".to_owned()]);
+    assert_eq!(peer.ready_addresses(), 1);
+    // The next call goes straight to the ready address.
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    assert!(out.is_ok());
+    assert_eq!(took, MS(5));
+}
+
+/// No retry starts once the call's deadline has come: a connection refused
+/// only after the deadline ends the call at the deadline, and the other
+/// address is never called.
+#[tokio::test(start_paused = true)]
+async fn no_retry_starts_past_the_call_deadline() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let good = in_process(Fake { delay: MS(0), marker: "a", seen: seen.clone() });
+    let (chain, _) = replicated(vec![refusing(MS(1200)), good], MS(1000));
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    match out {
+        Err(ChainError::Hook(e)) => assert_eq!(e.failure, HookFailure::Deadline),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(took, MS(1000));
+    assert!(seen.lock().unwrap().is_empty());
+}
+
+/// Every address refusing: the call fails as unavailable once each was
+/// tried, and the next call fails at once (no ready address left).
+#[tokio::test(start_paused = true)]
+async fn every_address_refusing_fails_unavailable_then_at_once() {
+    let (chain, peer) = replicated(vec![refusing(MS(100)), refusing(MS(100))], MS(1000));
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    match out {
+        Err(ChainError::Hook(e)) => assert_eq!(e.failure, HookFailure::Unavailable),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(took, MS(200));
+    assert_eq!(peer.ready_addresses(), 0);
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    assert!(matches!(out, Err(ChainError::Hook(ref e)) if e.failure == HookFailure::Unavailable), "{out:?}");
+    assert_eq!(took, Duration::ZERO);
 }

@@ -5,9 +5,11 @@
 //!   connection goes to one pod.
 //! - `dns:///host:port`: the name is resolved at start-up and every
 //!   [`RESOLVE_EVERY`]; Lattice keeps one connection per address and sends
-//!   each call to the less loaded of two (power of two choices). Point it at
-//!   a headless Service and the calls spread over all its ready pods; a pod
-//!   that goes away leaves the set at the next resolution.
+//!   each call to the less loaded of two ready ones, taken in rotation.
+//!   Point it at a headless Service and the calls spread over all its ready
+//!   pods; a pod that refuses, sends GOAWAY or reports NOT_SERVING leaves
+//!   the set at once (see [`pool`]), one that is gone from DNS at the next
+//!   resolution.
 //!
 //! TLS: `https://host:port`, or `dns:///host:port` with a [`Tls`] setting,
 //! verifies the service against the system's roots or a given CA, and can
@@ -15,24 +17,27 @@
 //!
 //! Either way nothing connects at start-up, so a peer that is down then
 //! blocks nothing, and the connection time counts toward each call's
-//! deadline. A call that fails on a connection fails: there is no retry on
-//! another address, so for a hook the query aborts as for any failure.
+//! deadline. A call the service provably never received is retried within
+//! its deadline (see [`call`]); any other failure is the call's result.
+
+mod call;
+mod pool;
 
 use std::{
-    collections::HashSet,
     fmt,
-    net::SocketAddr,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::{Arc, atomic::AtomicUsize},
     time::Duration,
 };
 
+pub(crate) use call::Probe;
+pub use call::{CallDeadline, NoReadyAddress, ProbedBody};
+pub use pool::HEALTH_CONNECT_TIMEOUT;
+use pool::Pool;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
-use tokio::sync::mpsc::Sender;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, channel::Change};
-use tracing::{info, warn};
+use tonic::{
+    codegen::http,
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
+};
 
 /// How often a `dns:///` name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
@@ -172,6 +177,14 @@ impl Checked {
         Ok(Checked { target, tls })
     }
 
+    /// Two lazy channels to `uri`: one for calls, one for health checks
+    /// (see [`pool::HEALTH_CONNECT_TIMEOUT`]).
+    fn channels(&self, uri: &str, connect_timeout: Duration) -> Result<(Channel, Channel), String> {
+        let calls = self.endpoint(uri.to_owned(), connect_timeout)?.connect_lazy();
+        let health = self.endpoint(uri.to_owned(), pool::HEALTH_CONNECT_TIMEOUT.min(connect_timeout))?.connect_lazy();
+        Ok((calls, health))
+    }
+
     fn endpoint(&self, uri: String, connect_timeout: Duration) -> Result<Endpoint, String> {
         let e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
         let e = match &self.tls {
@@ -205,50 +218,78 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// The addresses a `dns:///` target has now; always "some" for `http://`.
-#[derive(Debug, Clone, Default)]
-pub struct Addresses(Option<Arc<AtomicUsize>>);
-
-impl Addresses {
-    /// True while a `dns:///` name resolves to no address: a call would wait
-    /// for one until its deadline, so the caller fails it at once instead.
-    pub fn none(&self) -> bool {
-        self.0.as_ref().is_some_and(|n| n.load(Ordering::Relaxed) == 0)
-    }
-}
-
-/// A channel to one tool or hook service.
+/// A tool or hook service: its addresses, each with its connection and
+/// readiness (see [`pool`]), and the calls to them (see [`call`]). A cheap
+/// clone; every clone shares the connections. It is the transport of the
+/// generated gRPC clients.
 #[derive(Debug, Clone)]
 pub struct Peer {
-    /// Calls go here (a cheap clone: every clone shares the connections).
-    pub channel: Channel,
-    /// See [`Addresses::none`].
-    pub addresses: Addresses,
+    pool: Arc<Pool>,
     /// Whether calls use TLS.
     pub tls: bool,
 }
 
 impl Peer {
-    /// A channel to `endpoint` (see the module docs). Connects lazily; for a
-    /// `dns:///` target it starts the resolver task, which ends when the
-    /// last clone of the channel is dropped. Needs a Tokio runtime.
-    pub fn connect(endpoint: &str, tls: Option<&Tls>, connect_timeout: Duration) -> Result<Peer, String> {
+    /// A peer for `endpoint` (see the module docs). Connects lazily; for a
+    /// `dns:///` target it starts the resolver task, and for every address
+    /// a health checker (every `health_every`, if set); they end when the
+    /// last clone is dropped. Needs a Tokio runtime.
+    pub fn connect(
+        endpoint: &str,
+        tls: Option<&Tls>,
+        connect_timeout: Duration,
+        health_every: Option<Duration>,
+    ) -> Result<Peer, String> {
         let checked = Checked::new(endpoint, tls)?;
-        match &checked.target {
-            Target::Uri(uri) => Ok(Peer {
-                channel: checked.endpoint(uri.clone(), connect_timeout)?.connect_lazy(),
-                addresses: Addresses::default(),
-                tls: checked.tls.is_some(),
-            }),
-            Target::Dns { host, port } => {
-                let (channel, changes) = Channel::balance_channel(1024);
-                let count = Arc::new(AtomicUsize::new(0));
-                let name = format!("{host}:{port}");
-                let tls = checked.tls.is_some();
-                tokio::spawn(resolve(name, checked, connect_timeout, changes, count.clone()));
-                Ok(Peer { channel, addresses: Addresses(Some(count)), tls })
+        let uses_tls = checked.tls.is_some();
+        let pool = match &checked.target {
+            Target::Uri(uri) => {
+                let (channel, health) = checked.channels(uri, connect_timeout)?;
+                let authority = Endpoint::from_shared(uri.clone())
+                    .ok()
+                    .and_then(|e| e.uri().authority().map(|a| a.to_string()))
+                    .unwrap_or_default();
+                Pool::single(endpoint.to_owned(), authority, channel, health, health_every)
             }
-        }
+            Target::Dns { host, port } => {
+                let host_port = format!("{host}:{port}");
+                Pool::resolving(endpoint.to_owned(), host_port, checked.clone(), connect_timeout, health_every)
+            }
+        };
+        Ok(Peer { pool, tls: uses_tls })
+    }
+
+    /// A peer over one ready channel (an in-process service in tests); its
+    /// health is not checked.
+    pub fn over(channel: Channel) -> Peer {
+        let name = "in-process".to_owned();
+        Peer { pool: Pool::single(name.clone(), name, channel.clone(), channel, None), tls: false }
+    }
+
+    /// A peer over several ready channels, tried in this order (in-process
+    /// services in tests); their health is not checked.
+    #[cfg(test)]
+    pub(crate) fn over_all(channels: Vec<Channel>) -> Peer {
+        Peer { pool: Pool::fixed(channels), tls: false }
+    }
+
+    /// True when no call can be sent now: a `dns:///` target with no ready
+    /// address (none resolved, or every one refused, went away or said
+    /// NOT_SERVING). A call would only fail, so the caller fails it at once
+    /// instead. A single `http(s)://` address is always tried.
+    pub fn none(&self) -> bool {
+        !self.pool.single && self.pool.ready() == 0
+    }
+
+    /// How many addresses are ready now (for a single address: whether its
+    /// health check last said it can take calls).
+    pub fn ready_addresses(&self) -> usize {
+        self.pool.ready()
+    }
+
+    /// [`Peer::ready_addresses`], shared, for a gauge.
+    pub fn ready_gauge(&self) -> Arc<AtomicUsize> {
+        self.pool.ready_gauge()
     }
 }
 
@@ -260,48 +301,12 @@ fn settings(e: Endpoint, connect_timeout: Duration) -> Endpoint {
         .keep_alive_while_idle(true)
 }
 
-/// Resolves `host:port` now and every [`RESOLVE_EVERY`], telling the
-/// balancer which addresses came and went. A failed lookup keeps the last
-/// addresses (calls to them fail on their own if they are gone).
-async fn resolve(
-    name: String,
-    checked: Checked,
-    connect_timeout: Duration,
-    changes: Sender<Change<SocketAddr, Endpoint>>,
-    count: Arc<AtomicUsize>,
-) {
-    let scheme = if checked.tls.is_some() { "https" } else { "http" };
-    let mut current: HashSet<SocketAddr> = HashSet::new();
-    loop {
-        match tokio::net::lookup_host(&name).await {
-            Ok(found) => {
-                let found: HashSet<SocketAddr> = found.collect();
-                for gone in current.difference(&found) {
-                    if changes.send(Change::Remove(*gone)).await.is_err() {
-                        return;
-                    }
-                }
-                for new in found.difference(&current) {
-                    let Ok(endpoint) = checked.endpoint(format!("{scheme}://{new}"), connect_timeout) else { continue };
-                    if changes.send(Change::Insert(*new, endpoint)).await.is_err() {
-                        return;
-                    }
-                }
-                count.store(found.len(), Ordering::Relaxed);
-                if found != current {
-                    info!(target_name = %name, addresses = found.len(), "resolved");
-                }
-                current = found;
-            }
-            Err(e) => {
-                warn!(target_name = %name, error = %e, addresses = current.len(), "could not resolve; keeping the last addresses")
-            }
-        }
-        tokio::select! {
-            () = changes.closed() => return,
-            () = tokio::time::sleep(RESOLVE_EVERY) => {}
-        }
-    }
+/// A `grpc-timeout` header value for `d`: microseconds while they fit the
+/// header's 8 digits, milliseconds beyond.
+pub(crate) fn grpc_timeout(d: Duration) -> http::HeaderValue {
+    let us = d.as_micros();
+    let text = if us < 100_000_000 { format!("{}u", us.max(1)) } else { format!("{}m", d.as_millis().min(99_999_999)) };
+    http::HeaderValue::try_from(text).unwrap_or_else(|_| http::HeaderValue::from_static("1m"))
 }
 
 #[cfg(test)]
