@@ -226,7 +226,10 @@ impl HookChain {
     ) -> Result<Self, (String, String)> {
         let mut peers = Vec::new();
         for d in defs.iter().filter(|d| d.enabled) {
-            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline, health_every)
+            // Half the deadline to connect: an address that no longer
+            // answers (a pod gone without a reset) then leaves time to send
+            // the call to another one.
+            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline / 2, health_every)
                 .map_err(|e| (d.name.clone(), e))?;
             peers.push((d.clone(), peer));
         }

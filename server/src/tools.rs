@@ -183,7 +183,8 @@ impl AgentTools {
     pub async fn build(def: &AgentDef, settings: &ServerSettings) -> Result<Self, ToolSetupError> {
         let mut tools = AgentTools::default();
         for source in &def.tool_sources {
-            let connect_timeout = settings.tool_discovery_timeout;
+            // Half the call's deadline to connect (see `HookChain::new`).
+            let connect_timeout = source.deadline / 2;
             let peer =
                 Peer::connect(&source.endpoint, source.tls.as_ref(), connect_timeout, settings.peer_health_check)
                     .map_err(|reason| ToolSetupError::Endpoint {

@@ -133,7 +133,7 @@ impl NotSent {
     /// Whether the address should leave the ready set: it can't be
     /// connected to, or its service is going away (a refused stream is only
     /// load, and a closed connection is made again on the next attempt).
-    fn address_down(self) -> bool {
+    pub(crate) fn address_down(self) -> bool {
         matches!(self, NotSent::Connect | NotSent::GoAway)
     }
 
@@ -166,11 +166,6 @@ fn connection_broke(e: &(dyn std::error::Error + 'static)) -> bool {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// There is no ready address to send a call to.
-#[derive(Debug, thiserror::Error)]
-#[error("no ready address")]
-pub struct NoReadyAddress;
-
 type ResponseFuture = Pin<Box<dyn std::future::Future<Output = Result<http::Response<ProbedBody>, BoxError>> + Send>>;
 
 impl tower::Service<http::Request<Body>> for Peer {
@@ -192,9 +187,10 @@ impl tower::Service<http::Request<Body>> for Peer {
             // Kept for a retry: a unary request is one message, encoded once.
             let body = body.collect().await?.to_bytes();
             let mut tried = Vec::new();
+            let mut last_error = None;
             loop {
                 let Some((index, slot)) = pool.pick(&tried) else {
-                    return Err(NoReadyAddress.into());
+                    return Err(last_error.unwrap_or_else(|| tonic::Status::unavailable("no ready address").into()));
                 };
                 tried.push(index);
                 let mut attempt = rebuild(&parts, body.clone());
@@ -234,6 +230,7 @@ impl tower::Service<http::Request<Body>> for Peer {
                             ),
                             _ => return Err(e),
                         }
+                        last_error = Some(e);
                     }
                 }
             }

@@ -30,7 +30,7 @@ use std::{
 };
 
 pub(crate) use call::Probe;
-pub use call::{CallDeadline, NoReadyAddress, ProbedBody};
+pub use call::{CallDeadline, ProbedBody};
 pub use pool::HEALTH_CONNECT_TIMEOUT;
 use pool::Pool;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};

@@ -275,7 +275,7 @@ async fn check_health(pool: std::sync::Weak<Pool>, slot: std::sync::Weak<Slot>, 
             Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
                 pool.set_ready(&slot, true, "connected (no health service)");
             }
-            Ok(Err(status)) => match NotSent::of(&status) {
+            Ok(Err(status)) => match NotSent::of(&status).filter(|why| why.address_down()) {
                 Some(why) => pool.set_ready(&slot, false, why.describe()),
                 None => {
                     debug!(endpoint = %pool.name, address = %slot.addr, code = ?status.code(), "health check failed")

@@ -7,7 +7,9 @@
 //! - `lattice-test-peer tool --listen 0.0.0.0:50061 --delay-ms 0 --text T`
 //!   offers `fetch`, answering `T` after the delay.
 //!
-//! Both handle SIGTERM (they run as PID 1 in their containers).
+//! Both handle SIGTERM (they run as PID 1 in their containers): with
+//! `--drain-ms N` they first turn NOT_SERVING and keep serving for N ms, as
+//! a rolling update expects; then GOAWAY, the calls in flight finish, exit 0.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -39,6 +41,9 @@ enum Role {
         /// Wait this long in every call.
         #[arg(long, default_value_t = 0)]
         delay_ms: u64,
+        /// After SIGTERM, NOT_SERVING but serving this long.
+        #[arg(long, default_value_t = 0)]
+        drain_ms: u64,
     },
     /// A tool service offering `fetch`.
     Tool {
@@ -50,6 +55,9 @@ enum Role {
         /// The answer.
         #[arg(long, default_value = "fetched")]
         text: String,
+        /// After SIGTERM, NOT_SERVING but serving this long.
+        #[arg(long, default_value_t = 0)]
+        drain_ms: u64,
     },
 }
 
@@ -106,18 +114,30 @@ impl pb::tool_service_server::ToolService for Fetch {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     match Cli::parse().role {
-        Role::Hook { listen, append, replace, delay_ms } => {
+        Role::Hook { listen, append, replace, delay_ms, drain_ms } => {
             let hook = Appender { marker: append, replace, delay: Duration::from_millis(delay_ms) };
-            lattice_hook_sdk::serve(hook, listen).await?;
-        }
-        Role::Tool { listen, delay_ms, text } => {
             let listener = tokio::net::TcpListener::bind(listen).await?;
+            let drain = Duration::from_millis(drain_ms);
+            lattice_hook_sdk::serve_draining_on(hook, listener, None, lattice_hook_sdk::shutdown_signal(), drain)
+                .await?;
+        }
+        Role::Tool { listen, delay_ms, text, drain_ms } => {
+            let listener = tokio::net::TcpListener::bind(listen).await?;
+            let (health, health_svc) = tonic_health::server::health_reporter();
+            health.set_service_status("", tonic_health::ServingStatus::Serving).await;
             tracing::info!(%listen, "tool serving");
+            let drained = async move {
+                lattice_hook_sdk::shutdown_signal().await;
+                health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+                tracing::info!(drain_ms, "draining: NOT_SERVING, still serving calls");
+                tokio::time::sleep(Duration::from_millis(drain_ms)).await;
+            };
             tonic::transport::Server::builder()
+                .add_service(health_svc)
                 .add_service(ToolServiceServer::new(Fetch { delay: Duration::from_millis(delay_ms), text }))
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    lattice_hook_sdk::shutdown_signal(),
+                    drained,
                 )
                 .await?;
         }
