@@ -25,8 +25,14 @@ use tracing::{info, warn};
 
 use crate::session::{PostgresStore, SessionStore};
 
-/// How often the session store is checked.
-const STORE_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How often the agents' readiness is looked at (reading a few counters).
+const READY_CHECK_EVERY: Duration = Duration::from_millis(100);
+
+/// How often the session store is checked, in [`READY_CHECK_EVERY`]s: 1 s.
+const STORE_CHECK_TICKS: u64 = 10;
+
+/// How often idle sessions are swept, in [`READY_CHECK_EVERY`]s: 10 min.
+const SWEEP_TICKS: u64 = 6_000;
 
 /// The name health reports the agent service under.
 const AGENT_SERVICE: &str = "lattice.agent.v1.AgentService";
@@ -47,36 +53,40 @@ pub async fn set(reporter: &HealthReporter, serving: bool) {
 /// Follows the store and the agents until draining starts: health is
 /// SERVING while the store answers and every agent is `ready` (its tools
 /// discovered, its required hooks with a ready address), NOT_SERVING
-/// otherwise. A PostgreSQL store is also migrated
-/// once it first answers (if start-up could not), and swept of idle
-/// sessions now and then.
+/// otherwise. `store_ok` and `serving` are how things stood at start-up.
+/// The agents are looked at every 100 ms, the store every second. A
+/// PostgreSQL store is also migrated once it first answers (if start-up
+/// could not), and swept of idle sessions now and then.
 pub async fn follow_store(
     reporter: HealthReporter,
     store: Arc<dyn SessionStore>,
     postgres: Option<PostgresStore>,
     ready: impl Fn() -> Result<(), String> + Send,
     draining: CancellationToken,
+    mut store_ok: bool,
     mut serving: bool,
 ) {
-    let mut migrated = serving;
+    let mut migrated = store_ok;
     let mut ticks: u64 = 0;
     loop {
         tokio::select! {
             () = draining.cancelled() => return,
-            () = tokio::time::sleep(STORE_CHECK_EVERY) => {}
+            () = tokio::time::sleep(READY_CHECK_EVERY) => {}
         }
         ticks += 1;
-        let mut ok = store.ready().await.is_ok();
-        if let (Some(pg), true, false) = (&postgres, ok, migrated) {
-            migrated = pg.migrate().await.is_ok();
-            ok = migrated;
+        if ticks.is_multiple_of(STORE_CHECK_TICKS) {
+            store_ok = store.ready().await.is_ok();
+            if let (Some(pg), true, false) = (&postgres, store_ok, migrated) {
+                migrated = pg.migrate().await.is_ok();
+                store_ok = migrated;
+            }
+            if let (Some(pg), true) = (&postgres, store_ok && ticks.is_multiple_of(SWEEP_TICKS))
+                && let Some(n) = pg.sweep().await.ok().filter(|n| *n > 0)
+            {
+                info!(deleted = n, "idle sessions deleted");
+            }
         }
-        // Every ten minutes: sessions idle past the limit are deleted.
-        if let (Some(pg), true) = (&postgres, ok && ticks.is_multiple_of(600))
-            && let Some(n) = pg.sweep().await.ok().filter(|n| *n > 0)
-        {
-            info!(deleted = n, "idle sessions deleted");
-        }
+        let ok = store_ok;
         if draining.is_cancelled() {
             return;
         }

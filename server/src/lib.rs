@@ -104,12 +104,14 @@ pub async fn run(
     let draining = tokio_util::sync::CancellationToken::new();
     let health_svc =
         tonic_health::pb::health_server::HealthServer::new(health::Draining::new(health.clone(), draining.clone()));
-    let serving = store.ready().await.is_ok() && runtime.ready().is_ok();
+    let store_ok = store.ready().await.is_ok();
+    let serving = store_ok && runtime.ready().is_ok();
     health::set(&health, serving).await;
     health.set_service_status(health::LIVENESS, tonic_health::ServingStatus::Serving).await;
     let weak = Arc::downgrade(&runtime);
     let ready = move || weak.upgrade().map_or(Err("stopping".to_owned()), |r| r.ready());
-    tokio::spawn(health::follow_store(health.clone(), store, postgres, ready, draining.clone(), serving));
+    let follow = health::follow_store(health.clone(), store, postgres, ready, draining.clone(), store_ok, serving);
+    tokio::spawn(follow);
 
     // grpcurl 1.8 speaks only reflection v1alpha; newer tools speak v1.
     let reflection_v1 = tonic_reflection::server::Builder::configure()

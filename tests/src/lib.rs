@@ -615,6 +615,12 @@ pub mod cfg {
         )
     }
 
+    /// A hook that is not `required`: Lattice stays SERVING while it has no
+    /// ready address (for hooks that are broken on purpose).
+    pub fn optional_hook(name: &str, url: &str, events: &[&str], deadline_ms: u64) -> String {
+        hook(name, url, events, deadline_ms) + "required = false\n"
+    }
+
     /// A disabled hook.
     pub fn disabled_hook(name: &str, url: &str, events: &[&str]) -> String {
         format!("[[agents.hooks]]\nname = {name:?}\nendpoint = {url:?}\nevents = {events:?}\nenabled = false\n")

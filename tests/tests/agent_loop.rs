@@ -725,7 +725,8 @@ async fn agents_and_sessions_can_be_inspected() {
         + &cfg::hook("first", "http://127.0.0.1:1", &["tool_result"], 100)
         + &cfg::disabled_hook("second", "http://127.0.0.1:2", &["model_request"])
         + &cfg::agent("b", "");
-    let lattice = Lattice::start(&config).await;
+    // The first hook is down: agent a is not ready, and Lattice NOT_SERVING.
+    let lattice = Lattice::start_unready(&config).await;
     let mut client = lattice.client().await;
     let agents = client.list_agents(pb::ListAgentsRequest {}).await.unwrap().into_inner().agents;
     assert_eq!(agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
@@ -737,6 +738,7 @@ async fn agents_and_sessions_can_be_inspected() {
     let hooks: Vec<(&str, bool)> = a.hooks.iter().map(|h| (h.name.as_str(), h.enabled)).collect();
     assert_eq!(hooks, vec![("first", true), ("second", false)]);
     assert_eq!(a.hooks[0].deadline_ms, 100);
+    assert_eq!((a.hooks[0].ready_addresses, a.hooks[0].required, a.ready), (0, true, false));
 
     let out = lattice.query("b", "remember me").await;
     out.ok();

@@ -340,7 +340,7 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
             + &cfg::turn("{{request}}", &[])
             + &cfg::tools(&tools.url, 2000)
             + &cfg::hook("first", &first.url, &["tool_result"], 1000)
-            + &cfg::hook("second", &url, &["tool_result"], 300);
+            + &cfg::optional_hook("second", &url, &["tool_result"], 300);
         let lattice = Lattice::start(&config).await;
         let out = lattice.query("x", "go").await;
         let meta = out.hook_failure();
@@ -378,7 +378,7 @@ async fn every_model_request_hook_failure_aborts_without_leaking() {
         let config = "[server]\nhook_max_message_bytes = 65536\n".to_owned()
             + &cfg::agent("x", "")
             + &cfg::turn("{{request}}", &[])
-            + &cfg::hook("shaper", &url, &["model_request"], 300);
+            + &cfg::optional_hook("shaper", &url, &["model_request"], 300);
         let lattice = Lattice::start(&config).await;
         let out = lattice.query("x", &format!("my secret is {secret}")).await;
         let meta = out.hook_failure();
@@ -456,7 +456,8 @@ async fn a_hook_down_at_start_up_works_once_it_is_up() {
     let config = cfg::agent("x", "")
         + &cfg::turn("hi", &[])
         + &cfg::hook("h", &format!("http://{addr}"), &["model_request"], 500);
-    let lattice = Lattice::start(&config).await;
+    let lattice = Lattice::start_unready(&config).await;
+    assert!(!lattice.serving().await, "a required hook that is down: NOT_SERVING");
     assert_eq!(lattice.query("x", "hi").await.hook_failure()["kind"], "unavailable");
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let hook = HookServer::start_on(listener, addr, appender("!")).await;
@@ -471,6 +472,12 @@ async fn a_hook_down_at_start_up_works_once_it_is_up() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!hook.state.model_requests().is_empty());
+    // Its next health check brings Lattice back into rotation.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !lattice.serving().await {
+        assert!(Instant::now() < deadline, "still NOT_SERVING with the hook up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A `dns:///host:port` endpoint: calls go to the addresses the name

@@ -15,7 +15,7 @@ async fn log_of_a_goaway_run(secret: &str, env: &[(&str, &str)]) -> String {
         + &cfg::turn("go", &["t"])
         + &cfg::turn("done", &[])
         + &cfg::declared_tools(&tool.url, 2000, &["t"])
-        + &cfg::hook("h", &hook.url, &["tool_result"], 1000);
+        + &cfg::optional_hook("h", &hook.url, &["tool_result"], 1000);
     let lattice = Lattice::spawn(&config, env).await;
     let out = lattice.query("x", "go").await;
     assert_eq!(out.hook_failure()["kind"], "unavailable");

@@ -126,7 +126,9 @@ async fn tls_failures_abort_the_query_without_leaking() {
     ];
     for (case, endpoint, tls) in cases {
         let hook_cfg = cfg::hook("redact", &endpoint, &["tool_result"], 2000) + &tls;
-        let lattice = Lattice::start(&agent(&cfg::tools(&tools.url, 2000), &hook_cfg)).await;
+        // A hook Lattice can't reach over TLS keeps it out of rotation.
+        let lattice = Lattice::start_unready(&agent(&cfg::tools(&tools.url, 2000), &hook_cfg)).await;
+        assert!(!lattice.serving().await, "{case}: NOT_SERVING");
         let out = lattice.query("x", "go").await;
         let failure = out.hook_failure();
         assert_eq!(failure["hook"], "redact", "{case}");
@@ -204,7 +206,8 @@ async fn redact_over_mutual_tls(ca: &TestCa, client: &Leaf, endpoint: &str) {
     let lattice = Lattice::start(&with(Some(client))).await;
     assert_eq!(lattice.query("x", "go").await.ok().text, "model saw write to [REDACTED:email]", "{endpoint}");
     // Without a client certificate the example refuses the connection.
-    let lattice = Lattice::start(&with(None)).await;
+    let lattice = Lattice::start_unready(&with(None)).await;
+    assert!(!lattice.serving().await, "{endpoint}: the hook refuses Lattice: NOT_SERVING");
     let out = lattice.query("x", "go").await;
     out.hook_failure();
     assert!(!out.everything().contains("ada@example.com"));

@@ -141,13 +141,15 @@ impl Pool {
         pool
     }
 
-    /// A new slot, ready; its health is checked over `health`.
+    /// A new slot; its health is checked over `health`.
     fn add(self: &Arc<Self>, addr: String, channel: Channel, health: Channel) -> Arc<Slot> {
         let slot = Arc::new(Slot {
             addr,
             health,
             channel,
-            ready: AtomicBool::new(true),
+            // With health checks, ready once the first one (made at once)
+            // says so; without, ready until a call says otherwise.
+            ready: AtomicBool::new(self.health_every.is_none()),
             in_flight: AtomicUsize::new(0),
             checker: std::sync::Mutex::new(None),
         });
@@ -183,7 +185,7 @@ impl Pool {
             self.recount();
             let ready_now = self.ready();
             if ready {
-                info!(endpoint = %self.name, address = %slot.addr, ready = ready_now, "address ready again: {why}");
+                info!(endpoint = %self.name, address = %slot.addr, ready = ready_now, "address ready: {why}");
             } else {
                 warn!(endpoint = %self.name, address = %slot.addr, ready = ready_now, "address not ready: {why}");
             }
@@ -214,7 +216,7 @@ impl Pool {
     }
 
     /// Replaces the slots with those for `found`: kept where the address
-    /// stays, new (and ready) where it is new.
+    /// stays, new (ready once checked) where it is new.
     fn update(self: &Arc<Self>, found: &[SocketAddr], make: impl Fn(SocketAddr) -> Option<(Channel, Channel)>) {
         let current = self.slots();
         let mut next = Vec::with_capacity(found.len());
@@ -258,10 +260,14 @@ async fn resolve(pool: std::sync::Weak<Pool>, host_port: String, checked: Checke
     }
 }
 
-/// Checks one slot's health `every` so often until the slot goes.
+/// Checks one slot's health now and then `every` so often until the slot
+/// goes.
 async fn check_health(pool: std::sync::Weak<Pool>, slot: std::sync::Weak<Slot>, every: Duration) {
+    let mut first = true;
     loop {
-        tokio::time::sleep(every).await;
+        if !std::mem::take(&mut first) {
+            tokio::time::sleep(every).await;
+        }
         let (Some(pool), Some(slot)) = (pool.upgrade(), slot.upgrade()) else { return };
         let mut client = HealthClient::new(slot.health.clone());
         let mut request = tonic::Request::new(HealthCheckRequest { service: String::new() });
