@@ -192,9 +192,13 @@ impl<H: Hook> HookServer<H> {
         Self { hook: Arc::new(hook) }
     }
 
-    /// The tonic service, for embedding in your own server.
+    /// The tonic service, for embedding in your own server. Requests and
+    /// replies up to [`max_message_bytes`] are accepted: the same limit as
+    /// Lattice's own default (`server.hook_max_message_bytes`), instead of
+    /// tonic's 4 MiB, so a large tool result reaches the hook.
     pub fn into_service(self) -> HookServiceServer<Self> {
-        HookServiceServer::new(self)
+        let limit = max_message_bytes();
+        HookServiceServer::new(self).max_decoding_message_size(limit).max_encoding_message_size(limit)
     }
 }
 
@@ -283,6 +287,20 @@ impl std::fmt::Display for ServeError {
 
 impl std::error::Error for ServeError {}
 
+/// The variable that sets the largest request or reply a hook served by
+/// this SDK handles, in bytes; set it to Lattice's
+/// `server.hook_max_message_bytes` when you change that.
+pub const MAX_MESSAGE_BYTES_ENV: &str = "LATTICE_HOOK_MAX_MESSAGE_BYTES";
+
+/// The default of [`MAX_MESSAGE_BYTES_ENV`]: Lattice's default hook limit.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+/// The largest request or reply: [`MAX_MESSAGE_BYTES_ENV`], else
+/// [`DEFAULT_MAX_MESSAGE_BYTES`].
+pub fn max_message_bytes() -> usize {
+    std::env::var(MAX_MESSAGE_BYTES_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_MAX_MESSAGE_BYTES)
+}
+
 /// The variable that sets the drain period of [`serve`] and [`serve_tls`],
 /// in milliseconds.
 pub const DRAIN_ENV: &str = "LATTICE_HOOK_DRAIN_MS";
@@ -306,14 +324,16 @@ fn drain_from_env() -> Duration {
 /// ([`DRAIN_ENV`], default [`DEFAULT_DRAIN`]), then the server sends GOAWAY,
 /// finishes the calls in flight and returns.
 pub async fn serve(hook: impl Hook, addr: SocketAddr) -> Result<(), ServeError> {
+    let signal = shutdown_signal();
     let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
-    serve_draining_on(hook, listener, None, shutdown_signal(), drain_from_env()).await
+    serve_draining_on(hook, listener, None, signal, drain_from_env()).await
 }
 
 /// [`serve`] over TLS (see [`Tls`]).
 pub async fn serve_tls(hook: impl Hook, addr: SocketAddr, tls: Tls) -> Result<(), ServeError> {
+    let signal = shutdown_signal();
     let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
-    serve_draining_on(hook, listener, Some(tls), shutdown_signal(), drain_from_env()).await
+    serve_draining_on(hook, listener, Some(tls), signal, drain_from_env()).await
 }
 
 /// Serves `hook` on a bound listener until `shutdown` resolves (for tests
@@ -391,20 +411,24 @@ fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
+/// Resolves on SIGTERM or Ctrl-C. The SIGTERM handler is installed when
+/// this is called, not when the future is first polled: call it before the
+/// port opens, so that a SIGTERM that comes right after is not the default
+/// action (an abrupt exit).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    async move {
+        #[cfg(unix)]
+        if let Some(mut term) = term {
             tokio::select! {
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
             }
             return;
         }
+        let _ = tokio::signal::ctrl_c().await;
     }
-    let _ = tokio::signal::ctrl_c().await;
 }
 
 #[cfg(test)]

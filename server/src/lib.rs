@@ -157,26 +157,22 @@ pub fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming 
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
-/// Resolves on SIGTERM or Ctrl-C (Kubernetes stops pods with SIGTERM; a
-/// process running as PID 1 would otherwise ignore it).
-pub async fn shutdown_signal() {
+/// Resolves on SIGTERM or Ctrl-C. The SIGTERM handler is installed when
+/// this is called, not when the future is first polled: call it before the
+/// port opens, so that a SIGTERM that comes right after is not the default
+/// action (an abrupt exit).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    async move {
+        #[cfg(unix)]
+        if let Some(mut term) = term {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+            return;
         }
-    }
-    #[cfg(not(unix))]
-    {
         let _ = tokio::signal::ctrl_c().await;
     }
 }

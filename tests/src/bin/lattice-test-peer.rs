@@ -55,6 +55,9 @@ enum Role {
         /// The answer.
         #[arg(long, default_value = "fetched")]
         text: String,
+        /// Answer this many bytes (`x` repeated) instead of `--text`.
+        #[arg(long)]
+        bytes: Option<usize>,
         /// After SIGTERM, NOT_SERVING but serving this long.
         #[arg(long, default_value_t = 0)]
         drain_ms: u64,
@@ -113,28 +116,32 @@ impl pb::tool_service_server::ToolService for Fetch {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+    let signal = lattice_hook_sdk::shutdown_signal();
     match Cli::parse().role {
         Role::Hook { listen, append, replace, delay_ms, drain_ms } => {
             let hook = Appender { marker: append, replace, delay: Duration::from_millis(delay_ms) };
             let listener = tokio::net::TcpListener::bind(listen).await?;
             let drain = Duration::from_millis(drain_ms);
-            lattice_hook_sdk::serve_draining_on(hook, listener, None, lattice_hook_sdk::shutdown_signal(), drain)
-                .await?;
+            lattice_hook_sdk::serve_draining_on(hook, listener, None, signal, drain).await?;
         }
-        Role::Tool { listen, delay_ms, text, drain_ms } => {
+        Role::Tool { listen, delay_ms, text, bytes, drain_ms } => {
+            let text = bytes.map_or(text, |n| "x".repeat(n));
             let listener = tokio::net::TcpListener::bind(listen).await?;
             let (health, health_svc) = tonic_health::server::health_reporter();
             health.set_service_status("", tonic_health::ServingStatus::Serving).await;
             tracing::info!(%listen, "tool serving");
             let drained = async move {
-                lattice_hook_sdk::shutdown_signal().await;
+                signal.await;
                 health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
                 tracing::info!(drain_ms, "draining: NOT_SERVING, still serving calls");
                 tokio::time::sleep(Duration::from_millis(drain_ms)).await;
             };
             tonic::transport::Server::builder()
                 .add_service(health_svc)
-                .add_service(ToolServiceServer::new(Fetch { delay: Duration::from_millis(delay_ms), text }))
+                .add_service(
+                    ToolServiceServer::new(Fetch { delay: Duration::from_millis(delay_ms), text })
+                        .max_encoding_message_size(usize::MAX),
+                )
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                     drained,
