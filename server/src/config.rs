@@ -120,6 +120,7 @@ struct RawServer {
     tool_discovery_timeout_ms: Option<u64>,
     drain_ms: Option<u64>,
     peer_health_check_ms: Option<u64>,
+    worker_threads: Option<usize>,
     trace_dir: Option<PathBuf>,
 }
 
@@ -395,6 +396,8 @@ pub struct ServerSettings {
     /// How often each address of a hook or tool service is health-checked;
     /// `None`: never (readiness then follows calls alone).
     pub peer_health_check: Option<Duration>,
+    /// Tokio worker threads of `lattice serve`; `None`: one per core.
+    pub worker_threads: Option<usize>,
 }
 
 /// One agent.
@@ -984,6 +987,7 @@ impl Validator<'_> {
             peer_health_check: Some(s.peer_health_check_ms.unwrap_or(defaults::PEER_HEALTH_CHECK_MS))
                 .filter(|v| *v > 0)
                 .map(ms),
+            worker_threads: s.worker_threads.map(|n| n.max(1)),
             hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
         }
     }

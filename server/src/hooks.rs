@@ -23,7 +23,7 @@ use lattice_proto::{agent::v1 as apb, hooks::v1 as pb};
 use prost::Message as _;
 use tokio::time::Instant;
 use tonic::Code;
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, debug, debug_span, info, warn};
 
 use crate::{
     config::{HookDef, HookEvents},
@@ -31,7 +31,7 @@ use crate::{
     domain::{
         JsonObject, Message, ModelRequest, ResultSource, Role, Step, ToolFailure, ToolResult, validate_conversation,
     },
-    metrics::{Family, Metrics},
+    metrics::{CallMetric, Family, Metrics},
     peer::{CallDeadline, Peer, Probe},
     status::code_name,
 };
@@ -46,6 +46,13 @@ pub enum HookEvent {
 }
 
 impl HookEvent {
+    fn index(self) -> usize {
+        match self {
+            HookEvent::ToolResult => 0,
+            HookEvent::ModelRequest => 1,
+        }
+    }
+
     /// The name used in config, errors and metadata.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -202,7 +209,13 @@ struct Hook {
     peer: Peer,
     /// Whether Lattice is ready only while this hook has a ready address.
     required: bool,
+    /// Its calls' metrics, per event ([`HookEvent::index`]), made once.
+    metrics: [Arc<CallMetric>; 2],
 }
+
+/// The outcomes a hook call's metric counts.
+const OUTCOMES: &[&str] =
+    &["ok", "deadline", "cancelled", "unavailable", "status", "invalid_reply", "request_too_large"];
 
 /// An agent's enabled hooks, in registered order.
 #[derive(Debug, Clone, Default)]
@@ -247,6 +260,10 @@ impl HookChain {
                     vec![("agent", agent.to_owned()), ("hook", d.name.clone())],
                     peer.ready_gauge(),
                 );
+                let call_metrics = [HookEvent::ToolResult, HookEvent::ModelRequest].map(|e| {
+                    let labels = vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("event", e.to_string())];
+                    metrics.call_metric(Family::HookCalls, Family::HookCallDuration, labels, OUTCOMES)
+                });
                 Hook {
                     client: pb::hook_service_client::HookServiceClient::new(peer.clone())
                         .max_decoding_message_size(max_message_bytes)
@@ -255,6 +272,7 @@ impl HookChain {
                     events: d.events,
                     deadline: d.deadline,
                     required: d.required,
+                    metrics: call_metrics,
                     peer,
                 }
             })
@@ -292,13 +310,8 @@ impl HookChain {
         let Some(hook) = self.hooks.iter().find(|h| h.events.tool_result && h.peer.none()) else {
             return Ok(());
         };
-        let labels = vec![
-            ("agent", self.agent.clone()),
-            ("hook", hook.name.clone()),
-            ("event", HookEvent::ToolResult.to_string()),
-        ];
-        let now = Instant::now();
-        self.metrics.start_call(Family::HookCalls, Family::HookCallDuration, labels, now).finish("unavailable");
+        let metric = &hook.metrics[HookEvent::ToolResult.index()];
+        metric.start(&self.metrics, Instant::now()).finish("unavailable");
         warn!(agent = %self.agent, hook = %hook.name, "hook has no ready address: query aborted before its tool calls");
         let subject = HookSubject::ToolUse(tool_use_id.to_owned());
         Err(self.error(hook, HookEvent::ToolResult, subject, HookFailure::Unavailable).into())
@@ -429,11 +442,11 @@ impl HookChain {
         // Whose deadline ends the call: the hook's own, or the query's.
         let cut_by_query = step.scope.deadline < hook_deadline;
         let call_deadline = step.scope.deadline.min(hook_deadline);
-        let labels = vec![("agent", self.agent.clone()), ("hook", hook.name.clone()), ("event", event.to_string())];
         // Counted however the call ends, dropped mid-flight included.
-        let record = self.metrics.start_call(Family::HookCalls, Family::HookCallDuration, labels, call_deadline);
-        // One span per call; `outcome` and `elapsed_ms` are recorded when it ends.
-        let span = info_span!(
+        let record = hook.metrics[event.index()].start(&self.metrics, call_deadline);
+        // One span per call at debug (the metrics keep the numbers);
+        // `outcome` and `elapsed_ms` are recorded when it ends.
+        let span = debug_span!(
             "hook",
             agent = %self.agent,
             hook = %hook.name,
@@ -485,14 +498,17 @@ impl HookChain {
             debug!(parent: &span, elapsed_ms, "the query's deadline passed during the hook call");
             return Err(ChainError::QueryDeadline);
         }
+        let (agent, name) = (&self.agent, &hook.name);
         match &failure {
             HookFailure::RequestTooLarge { bytes, limit } => {
-                warn!(parent: &span, kind = failure.kind(), bytes, limit, "hook not called: the request is too large");
+                warn!(parent: &span, %agent, hook = %name, %event, %subject, kind = failure.kind(), bytes, limit, "hook not called: the request is too large");
             }
             HookFailure::Status(code) => {
-                warn!(parent: &span, kind = failure.kind(), code = code_name(*code), elapsed_ms, "hook failed");
+                warn!(parent: &span, %agent, hook = %name, %event, %subject, kind = failure.kind(), code = code_name(*code), elapsed_ms, "hook failed");
             }
-            _ => warn!(parent: &span, kind = failure.kind(), elapsed_ms, "hook failed"),
+            _ => {
+                warn!(parent: &span, %agent, hook = %name, %event, %subject, kind = failure.kind(), elapsed_ms, "hook failed")
+            }
         }
         Err(self.error(hook, event, subject, failure).into())
     }

@@ -124,7 +124,8 @@ pub async fn run(
         .build_v1alpha()?;
 
     let addr = listener.local_addr().ok();
-    info!(addr = ?addr, agents = config.agents.len(), "serving");
+    let worker_threads = tokio::runtime::Handle::current().metrics().num_workers();
+    info!(addr = ?addr, agents = config.agents.len(), worker_threads, "serving");
     let drain = config.server.drain;
     let shutdown = async move {
         shutdown.await;

@@ -82,9 +82,38 @@ fn init_logs(format: LogFormat) {
     });
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
+    // `serve` reads its config first: it says how many worker threads to run.
+    let mut workers = None;
+    let mut loaded = None;
+    if let Command::Serve { config, .. } = &cli.command {
+        init_logs(cli.log_format);
+        match config::load(config) {
+            Ok(c) => {
+                workers = c.server.worker_threads;
+                loaded = Some(c);
+            }
+            Err(e) => {
+                eprint!("{e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        }
+    }
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = workers {
+        runtime.worker_threads(n);
+    }
+    match runtime.enable_all().build() {
+        Ok(rt) => rt.block_on(run_command(cli, loaded)),
+        Err(e) => {
+            eprintln!("lattice: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
     match cli.command {
         Command::CheckConfig { config } => match config::check(&config) {
             Ok((c, warnings)) => {
@@ -105,15 +134,12 @@ async fn main() -> ExitCode {
             }
         },
         Command::Serve { config, listen } => {
-            init_logs(cli.log_format);
-            let cfg = match config::load(&config) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprint!("{e}");
-                    return ExitCode::from(EXIT_CONFIG);
-                }
+            let Some(cfg) = loaded else {
+                eprintln!("lattice: {} was not loaded", config.display());
+                return ExitCode::from(EXIT_CONFIG);
             };
             let addr = listen.unwrap_or(cfg.server.listen);
+            let signal = shutdown_signal();
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,
                 Err(e) => {
@@ -121,7 +147,7 @@ async fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match run(cfg, listener, shutdown_signal()).await {
+            match run(cfg, listener, signal).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "server failed");
@@ -152,6 +178,7 @@ async fn main() -> ExitCode {
         }
         Command::ExampleTools { listen, drain_ms } => {
             init_logs(cli.log_format);
+            let signal = shutdown_signal();
             let listener = match TcpListener::bind(listen).await {
                 Ok(l) => l,
                 Err(e) => {
@@ -159,7 +186,7 @@ async fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match example_tools::serve(listener, shutdown_signal(), Duration::from_millis(drain_ms)).await {
+            match example_tools::serve(listener, signal, Duration::from_millis(drain_ms)).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("example tools: {e}");

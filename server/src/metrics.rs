@@ -13,7 +13,7 @@ use std::{
     future::{Ready, ready},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicI64, AtomicUsize, Ordering},
+        atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -96,6 +96,8 @@ struct Registry {
     histograms: BTreeMap<(Family, Labels), Histogram>,
     /// Read when rendered; whoever owns the value keeps it current.
     gauges: BTreeMap<(Family, Labels), Arc<AtomicUsize>>,
+    /// Call metrics updated without this lock, read when rendered.
+    handles: Vec<Arc<CallMetric>>,
 }
 
 /// The metrics of one server.
@@ -118,6 +120,32 @@ impl Metrics {
         if let Ok(mut r) = self.registry.lock() {
             r.gauges.insert((family, labels), value);
         }
+    }
+
+    /// A call metric for one label set, updated without a lock (for the
+    /// hot path: make it once, at start-up). `outcomes` are the outcomes it
+    /// counts itself; any other is counted through the registry.
+    pub fn call_metric(
+        &self,
+        counter: Family,
+        histogram: Family,
+        labels: Labels,
+        outcomes: &'static [&'static str],
+    ) -> Arc<CallMetric> {
+        let metric = Arc::new(CallMetric {
+            counter,
+            histogram,
+            labels,
+            outcomes,
+            counts: outcomes.iter().map(|_| AtomicU64::new(0)).collect(),
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+        });
+        if let Ok(mut r) = self.registry.lock() {
+            r.handles.push(metric.clone());
+        }
+        metric
     }
 
     /// Records a duration.
@@ -149,7 +177,8 @@ impl Metrics {
     /// is dropped first (an abort, a deadline cut), as `deadline` when
     /// `deadline` has passed and `cancelled` otherwise.
     pub fn start_call(&self, counter: Family, histogram: Family, labels: Labels, deadline: Instant) -> CallRecord<'_> {
-        CallRecord { metrics: self, counter, histogram, labels: Some(labels), started: Instant::now(), deadline }
+        let to = To::Registry { metrics: self, counter, histogram, labels };
+        CallRecord { to, done: false, started: Instant::now(), deadline }
     }
 
     /// A query started; the guard counts it in flight until dropped.
@@ -165,6 +194,27 @@ impl Metrics {
         let _ = writeln!(out, "# TYPE lattice_queries_in_flight gauge");
         let _ = writeln!(out, "lattice_queries_in_flight {}", self.in_flight.load(Ordering::Relaxed));
         let Ok(r) = self.registry.lock() else { return out };
+        // The handles' values, merged into the registry's for rendering.
+        let (mut counters, mut histograms) = (r.counters.clone(), r.histograms.clone());
+        for m in &r.handles {
+            for (outcome, n) in m.outcomes.iter().zip(&m.counts) {
+                let n = n.load(Ordering::Relaxed);
+                if n > 0 {
+                    let mut labels = m.labels.clone();
+                    labels.push(("outcome", (*outcome).to_owned()));
+                    *counters.entry((m.counter, labels)).or_default() += n;
+                }
+            }
+            let count = m.count.load(Ordering::Relaxed);
+            if count > 0 {
+                let h = histograms.entry((m.histogram, m.labels.clone())).or_default();
+                for (b, v) in h.buckets.iter_mut().zip(&m.buckets) {
+                    *b += v.load(Ordering::Relaxed);
+                }
+                h.count += count;
+                h.sum += m.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+            }
+        }
         let mut last = None;
         for ((family, labels), value) in &r.gauges {
             if last != Some(*family) {
@@ -173,14 +223,14 @@ impl Metrics {
             }
             let _ = writeln!(out, "{}{} {}", family.name(), label_text(labels, None), value.load(Ordering::Relaxed));
         }
-        for ((family, labels), value) in &r.counters {
+        for ((family, labels), value) in &counters {
             if last != Some(*family) {
                 header(&mut out, *family, "counter");
                 last = Some(*family);
             }
             let _ = writeln!(out, "{}{} {value}", family.name(), label_text(labels, None));
         }
-        for ((family, labels), h) in &r.histograms {
+        for ((family, labels), h) in &histograms {
             if last != Some(*family) {
                 header(&mut out, *family, "histogram");
                 last = Some(*family);
@@ -197,14 +247,60 @@ impl Metrics {
     }
 }
 
+/// A call metric for one label set (see [`Metrics::call_metric`]).
+#[derive(Debug)]
+pub struct CallMetric {
+    counter: Family,
+    histogram: Family,
+    labels: Labels,
+    outcomes: &'static [&'static str],
+    counts: Vec<AtomicU64>,
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl CallMetric {
+    /// Starts timing one call; see [`Metrics::start_call`].
+    pub fn start<'a>(&'a self, metrics: &'a Metrics, deadline: Instant) -> CallRecord<'a> {
+        CallRecord { to: To::Handle(self, metrics), done: false, started: Instant::now(), deadline }
+    }
+
+    fn record(&self, metrics: &Metrics, outcome: &str, took: Duration) {
+        let secs = took.as_secs_f64();
+        for (bucket, le) in self.buckets.iter().zip(BUCKETS) {
+            if secs <= le {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(took.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        match self.outcomes.iter().position(|o| *o == outcome) {
+            Some(i) => {
+                self.counts[i].fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                let mut labels = self.labels.clone();
+                labels.push(("outcome", outcome.to_owned()));
+                metrics.count(self.counter, labels);
+            }
+        }
+    }
+}
+
+/// Where a [`CallRecord`] goes.
+#[derive(Debug)]
+enum To<'a> {
+    Registry { metrics: &'a Metrics, counter: Family, histogram: Family, labels: Labels },
+    Handle(&'a CallMetric, &'a Metrics),
+}
+
 /// One call being timed; see [`Metrics::start_call`].
 #[derive(Debug)]
 pub struct CallRecord<'a> {
-    metrics: &'a Metrics,
-    counter: Family,
-    histogram: Family,
-    /// Taken when recorded, so that a call is recorded once.
-    labels: Option<Labels>,
+    to: To<'a>,
+    /// Set once recorded, so that a call is recorded once.
+    done: bool,
     started: Instant,
     deadline: Instant,
 }
@@ -216,8 +312,15 @@ impl CallRecord<'_> {
     }
 
     fn record(&mut self, outcome: &str) {
-        if let Some(labels) = self.labels.take() {
-            self.metrics.call(self.counter, self.histogram, labels, outcome, self.started.elapsed());
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let took = self.started.elapsed();
+        match &mut self.to {
+            To::Registry { metrics, counter, histogram, labels } => {
+                metrics.call(*counter, *histogram, std::mem::take(labels), outcome, took);
+            }
+            To::Handle(metric, metrics) => metric.record(metrics, outcome, took),
         }
     }
 }
@@ -294,5 +397,25 @@ mod tests {
         assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.05\"} 1"), "{text}");
         assert!(text.contains("lattice_query_duration_seconds_count{agent=\"a\"} 1"), "{text}");
         assert_eq!(text.matches("# TYPE lattice_queries_total counter").count(), 1);
+    }
+
+    #[test]
+    fn call_metrics_render_with_the_registry() {
+        let m = Metrics::default();
+        let labels = || vec![("agent", "a".to_owned()), ("hook", "h".to_owned())];
+        let handle = m.call_metric(Family::HookCalls, Family::HookCallDuration, labels(), &["ok", "deadline"]);
+        let far = Instant::now() + Duration::from_secs(60);
+        handle.start(&m, far).finish("ok");
+        handle.start(&m, far).finish("ok");
+        handle.start(&m, far).finish("unavailable");
+        // Dropped unfinished before its deadline: cancelled.
+        drop(handle.start(&m, far));
+        m.call(Family::HookCalls, Family::HookCallDuration, labels(), "ok", Duration::from_millis(3));
+        let text = m.render();
+        assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"ok\"} 3"), "{text}");
+        assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"unavailable\"} 1"), "{text}");
+        assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"cancelled\"} 1"), "{text}");
+        assert!(text.contains("lattice_hook_call_duration_seconds_count{agent=\"a\",hook=\"h\"} 5"), "{text}");
+        assert_eq!(text.matches("# TYPE lattice_hook_calls_total counter").count(), 1);
     }
 }

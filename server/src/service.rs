@@ -11,7 +11,7 @@ use tokio::{
 };
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::{
     agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
@@ -212,7 +212,7 @@ impl AgentService for AgentSvc {
         }
         let query_id = uuid::Uuid::new_v4().to_string();
         let span = info_span!("query", agent = %agent.def.name, session_id = %session_id, query_id = %query_id);
-        info!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
+        debug!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
 
         let (out_tx, out_rx) = mpsc::channel::<Out>(32);
         let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(32);

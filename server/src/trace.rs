@@ -122,8 +122,12 @@ impl Tracer {
         }
     }
 
-    /// Records one event.
+    /// Records one event. With no trace directory and the `lattice::trace`
+    /// log target off (the default), nothing is built at all.
     pub async fn emit(&self, scope: &Scope, event: TraceEvent<'_>) {
+        if self.dir.is_none() && !tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG) {
+            return;
+        }
         let ts_ms =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
         let line = Line {

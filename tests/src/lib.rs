@@ -76,6 +76,17 @@ pub struct Lattice {
     process: Option<(Child, PathBuf)>,
 }
 
+/// `config` with `server.trace_dir` set (in its `[server]` table if it has
+/// one).
+fn with_trace_dir(config: &str, trace_dir: &Path) -> String {
+    let line = format!("trace_dir = {:?}", trace_dir.display().to_string());
+    if config.contains("[server]") {
+        config.replacen("[server]", &format!("[server]\n{line}"), 1)
+    } else {
+        format!("{config}\n[server]\n{line}\n")
+    }
+}
+
 /// A fresh empty directory under the system temp dir.
 pub fn temp_dir(tag: &str) -> PathBuf {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -118,11 +129,7 @@ impl Lattice {
     async fn launch(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
         capture_logs();
         let trace_dir = temp_dir("trace");
-        let config = if config.contains("[server]") {
-            config.replacen("[server]", &format!("[server]\ntrace_dir = {:?}", trace_dir.display().to_string()), 1)
-        } else {
-            format!("{config}\n[server]\ntrace_dir = {:?}\n", trace_dir.display().to_string())
-        };
+        let config = with_trace_dir(config, &trace_dir);
         let lookup = |var: &str| {
             env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned()).or_else(|| std::env::var(var).ok())
         };
@@ -170,11 +177,7 @@ impl Lattice {
         let dir = temp_dir("proc");
         let trace_dir = dir.join("traces");
         let config_path = dir.join("lattice.toml");
-        std::fs::write(
-            &config_path,
-            format!("{config}\n[server]\ntrace_dir = {:?}\n", trace_dir.display().to_string()),
-        )
-        .unwrap();
+        std::fs::write(&config_path, with_trace_dir(config, &trace_dir)).unwrap();
         let (l, addr) = bind().await;
         drop(l);
         let log_path = dir.join("lattice.log");
@@ -229,6 +232,11 @@ impl Lattice {
     /// logs are [`logs`]).
     pub fn process_logs(&self) -> String {
         self.process.as_ref().map(|(_, p)| std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default()
+    }
+
+    /// The process id of a spawned process.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().and_then(|(child, _)| child.0.id())
     }
 
     /// Kills a spawned process at once (SIGKILL: no drain, no release).

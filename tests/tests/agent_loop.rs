@@ -751,3 +751,16 @@ async fn agents_and_sessions_can_be_inspected() {
     assert_eq!(lattice.session(&sid).await.unwrap_err().code(), Code::NotFound);
     assert!(!trace_file.exists(), "DeleteSession removes the session's trace file too");
 }
+
+/// `server.worker_threads` sets how many runtime worker threads
+/// `lattice serve` runs (one keeps each query's work on one thread).
+#[tokio::test(flavor = "multi_thread")]
+async fn worker_threads_sets_the_runtime_size() {
+    let agent = cfg::agent("a", "") + &cfg::turn("hi", &[]);
+    for n in [1usize, 3] {
+        let lattice = Lattice::spawn(&(format!("[server]\nworker_threads = {n}\n") + &agent), &[]).await;
+        assert_eq!(lattice.query("a", "hello").await.ok().text, "hi");
+        let logs = lattice.process_logs();
+        assert!(logs.contains(&format!("\"worker_threads\":{n}")), "{logs}");
+    }
+}

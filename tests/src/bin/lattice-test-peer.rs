@@ -73,14 +73,18 @@ struct Appender {
 #[async_trait]
 impl Hook for Appender {
     async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
-        tokio::time::sleep(self.delay).await;
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
         let r = call.result.unwrap_or_default();
         let text = self.replace.clone().unwrap_or_else(|| text_of(&r));
         Ok(Some(with_text(&r, format!("{text}{}", self.marker))))
     }
 
     async fn on_model_request(&self, call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
-        tokio::time::sleep(self.delay).await;
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
         Ok(ModelRequestChange::system(format!("{}{}", call.system, self.marker)))
     }
 }
@@ -105,7 +109,9 @@ impl pb::tool_service_server::ToolService for Fetch {
         &self,
         _: tonic::Request<pb::CallToolRequest>,
     ) -> Result<tonic::Response<pb::CallToolResponse>, Status> {
-        tokio::time::sleep(self.delay).await;
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
         Ok(tonic::Response::new(pb::CallToolResponse {
             content: vec![pb::ToolContent { kind: Some(pb::tool_content::Kind::Text(self.text.clone())) }],
             is_error: false,

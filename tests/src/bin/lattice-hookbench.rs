@@ -1,0 +1,536 @@
+//! The benchmark of record for what a hook call costs, against references
+//! measured in the same run on the same machine.
+//!
+//! Every peer is a process of its own on loopback: eight hook services and
+//! tool services (`lattice-test-peer`), and Lattice itself (`lattice serve`,
+//! its default logging). In interleaved rounds it measures
+//! - **bare**: a bare tonic client calling one hook service (OnToolResult,
+//!   the same payload): latency per RPC, and the client's CPU per RPC;
+//! - **direct chain**: the same client calling 1, 3 and 8 hook services one
+//!   after another, passing the value along;
+//! - **Lattice** with 0, 1, 3 and 8 OnToolResult hooks (and 3 on both
+//!   events): queries of two scripted model turns and one tool call. The
+//!   hooks' share is the difference to 0 hooks: added latency and
+//!   Lattice's CPU (`/proc/PID/stat`) per hook call.
+//!
+//! Then throughput with 3 hooks at 1, 8 and 64 clients against the bare-RPC
+//! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query),
+//! and payloads of 1 KiB to 16 MiB through 3 hooks against three bare
+//! echoes of the same payload, with Lattice's peak RSS (`VmHWM`) and its
+//! RSS after the large queries (their sessions deleted, so what stays is
+//! Lattice's own).
+//!
+//! Ratios are printed with their figures, the load average, and a CSV
+//! (`--csv FILE`). Numbers are printed, never asserted.
+//!
+//! ```text
+//! cargo build --release -p lattice-server --bin lattice -p lattice-tests --bins
+//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-env K=V]
+//! ```
+
+use std::{
+    fmt::Write as _,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use lattice_proto::{
+    agent::v1::{self as apb, agent_service_client::AgentServiceClient},
+    hooks::v1::{self as hpb, hook_service_client::HookServiceClient},
+};
+use lattice_tests::cfg;
+use tonic::transport::{Channel, Endpoint};
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+/// Hook counts of the Lattice rows.
+const HOOKS: [usize; 4] = [0, 1, 3, 8];
+/// Payload sizes of the payload rows.
+const SIZES: [usize; 4] = [KIB, 64 * KIB, MIB, 16 * MIB];
+
+/// A child process, killed when dropped.
+struct Proc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// A binary next to this one (`cargo build --release` puts them together).
+fn sibling(name: &str) -> PathBuf {
+    let path = std::env::current_exe().unwrap().with_file_name(name);
+    assert!(path.exists(), "{} is missing: build it first (see the module docs)", path.display());
+    path
+}
+
+fn spawn(bin: &Path, args: &[String], addr: SocketAddr, env: &[(&str, String)]) -> Proc {
+    let child = Command::new(bin)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+    Proc { child, addr }
+}
+
+/// CPU time (user + system, all threads) of a process so far.
+fn cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at state.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest.split_whitespace().map(|v| v.parse().unwrap_or(0)).collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 here.
+    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    Duration::from_secs_f64(ticks as f64 / USER_HZ)
+}
+
+/// Clock ticks per second in `/proc/PID/stat` (USER_HZ: 100 on Linux).
+const USER_HZ: f64 = 100.0;
+
+/// A `/proc/PID/status` field in bytes (`VmRSS`, `VmHWM`).
+fn status_bytes(pid: u32, field: &str) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().strip_suffix(" kB")?.trim().parse().ok())
+        .map_or(0, |kb: usize| kb * KIB)
+}
+
+async fn channel(addr: SocketAddr) -> Channel {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}")).unwrap().tcp_nodelay(true);
+    for _ in 0..200 {
+        if let Ok(c) = endpoint.connect().await {
+            return c;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("nothing answers on {addr}");
+}
+
+fn hook_client(c: Channel) -> HookServiceClient<Channel> {
+    HookServiceClient::new(c).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX)
+}
+
+fn tool_result(bytes: usize) -> hpb::OnToolResultRequest {
+    hpb::OnToolResultRequest {
+        tool_use_id: "toolu_1".into(),
+        tool_name: "fetch".into(),
+        result: Some(apb::ToolResultBlock {
+            tool_use_id: "toolu_1".into(),
+            content: vec![apb::TextBlock { text: "x".repeat(bytes) }],
+            is_error: false,
+        }),
+        ..Default::default()
+    }
+}
+
+/// Calls `hooks` one after another with `request`, each getting the
+/// previous one's result.
+async fn chain(hooks: &mut [HookServiceClient<Channel>], request: &hpb::OnToolResultRequest) {
+    let mut request = request.clone();
+    for h in hooks.iter_mut() {
+        let reply = h.on_tool_result(request.clone()).await.expect("a hook call").into_inner();
+        if let Some(r) = reply.result {
+            request.result = Some(r);
+        }
+    }
+}
+
+/// Lattice in a process of its own with `config`; waits until it answers.
+async fn lattice(config: &str, dir: &Path, name: &str) -> (Proc, AgentServiceClient<Channel>) {
+    let addr = free_addr();
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, config).unwrap();
+    let args = ["serve", "--config", &path.display().to_string(), "--listen", &addr.to_string()].map(String::from);
+    // `--lattice-env K=V` (repeatable) sets Lattice's environment.
+    let all: Vec<String> = std::env::args().collect();
+    let env: Vec<(&str, String)> = all
+        .windows(2)
+        .filter(|w| w[0] == "--lattice-env")
+        .filter_map(|w| w[1].split_once('=').map(|(k, v)| (k, v.to_owned())))
+        .collect();
+    let proc = spawn(&sibling("lattice"), &args, addr, &env);
+    let client = AgentServiceClient::new(channel(addr).await)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    (proc, client)
+}
+
+/// One query to `agent`, read to its end.
+async fn query(client: &mut AgentServiceClient<Channel>, agent: &str) -> Duration {
+    query_session(client, agent).await.0
+}
+
+/// One query to `agent`, read to its end; its time and session id.
+async fn query_session(client: &mut AgentServiceClient<Channel>, agent: &str) -> (Duration, String) {
+    let started = Instant::now();
+    let request = apb::QueryRequest { agent: agent.into(), prompt: "go".into(), ..Default::default() };
+    let mut stream = match client.query(request).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => panic!("a query failed: {:?} {}", e.code(), e.message()),
+    };
+    let mut session = String::new();
+    while let Some(event) = stream.message().await.expect("a query's events") {
+        if let Some(apb::query_event::Event::Started(s)) = event.event {
+            session = s.session_id;
+        }
+    }
+    (started.elapsed(), session)
+}
+
+/// A query whose session is deleted afterwards (so that what stays in
+/// memory is Lattice's, not the sessions').
+async fn query_once(client: &mut AgentServiceClient<Channel>, agent: &str) -> Duration {
+    let (took, session_id) = query_session(client, agent).await;
+    client.delete_session(apb::DeleteSessionRequest { session_id }).await.expect("DeleteSession");
+    took
+}
+
+/// Latencies, sorted, with their CPU.
+#[derive(Default, Clone)]
+struct Sample {
+    times: Vec<Duration>,
+    cpu: Duration,
+}
+
+impl Sample {
+    fn add(&mut self, other: Sample) {
+        self.times.extend(other.times);
+        self.cpu += other.cpu;
+    }
+    fn p(&self, q: f64) -> Duration {
+        let mut t = self.times.clone();
+        t.sort();
+        t.get(((t.len().max(1) - 1) as f64 * q).round() as usize).copied().unwrap_or_default()
+    }
+    fn cpu_per(&self, calls_per_item: usize) -> Duration {
+        self.cpu / (self.times.len().max(1) * calls_per_item) as u32
+    }
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs `task` from `clients` concurrent clients for `secs`; items per second.
+async fn throughput<F, Fut>(clients: usize, secs: f64, task: F) -> f64
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let task = Arc::new(task);
+    let until = Instant::now() + Duration::from_secs_f64(secs);
+    let started = Instant::now();
+    let mut handles = vec![];
+    for c in 0..clients {
+        let task = task.clone();
+        handles.push(tokio::spawn(async move {
+            let mut n = 0usize;
+            while Instant::now() < until {
+                task(c).await;
+                n += 1;
+            }
+            n
+        }));
+    }
+    let mut total = 0;
+    for h in handles {
+        total += h.await.unwrap();
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+#[tokio::main]
+async fn main() {
+    let arg = |name: &str| {
+        let args: Vec<String> = std::env::args().collect();
+        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    };
+    let rounds: usize = arg("--rounds").and_then(|v| v.parse().ok()).unwrap_or(5);
+    let per_round: usize = arg("--queries").and_then(|v| v.parse().ok()).unwrap_or(200);
+    let csv_path = arg("--csv").unwrap_or_else(|| "hookbench.csv".into());
+    // Lattice's `server.worker_threads` (default: one per core).
+    let workers = arg("--lattice-workers").map(|n| format!("worker_threads = {n}\n")).unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("lattice-hookbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let peer = sibling("lattice-test-peer");
+    let mut csv = String::from("section,metric,value,reference,ratio\n");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("lattice-hookbench: {cores} cores, load average {} at start", loadavg());
+
+    // Eight hook services that keep the value's size, and tool services
+    // answering each payload size.
+    let hooks: Vec<Proc> = (0..8)
+        .map(|_| {
+            let addr = free_addr();
+            let args = ["hook", "--listen", &addr.to_string(), "--append", ""].map(String::from);
+            spawn(&peer, &args, addr, &[("LATTICE_HOOK_MAX_MESSAGE_BYTES", (64 * MIB).to_string())])
+        })
+        .collect();
+    let tools: Vec<Proc> = SIZES
+        .iter()
+        .map(|size| {
+            let addr = free_addr();
+            let args = ["tool", "--listen", &addr.to_string(), "--bytes", &size.to_string()].map(String::from);
+            spawn(&peer, &args, addr, &[])
+        })
+        .collect();
+    let mut bare: Vec<HookServiceClient<Channel>> = vec![];
+    for h in &hooks {
+        bare.push(hook_client(channel(h.addr).await));
+    }
+    for t in &tools {
+        drop(channel(t.addr).await);
+    }
+
+    // Lattice with 0/1/3/8 tool_result hooks and 3 on both events, on 1 KiB.
+    // Every query starts a session: room for all of them.
+    let limits = format!(
+        "[server]\nmax_message_bytes = {0}\nhook_max_message_bytes = {0}\ntool_max_message_bytes = {0}\n{workers}\
+         [sessions]\nmax_sessions = 100000000\n",
+        64 * MIB
+    );
+    let agent = |name: &str, tool: &Proc, hooks: &[Proc], events: &[&str]| {
+        let mut c = cfg::agent(name, "")
+            + &cfg::turn("go", &["fetch"])
+            + &cfg::turn("done", &[])
+            + &cfg::tools(&format!("http://{}", tool.addr), 60_000);
+        for (i, h) in hooks.iter().enumerate() {
+            c += &cfg::hook(&format!("h{i}"), &format!("http://{}", h.addr), events, 10_000);
+        }
+        c
+    };
+    let mut rows = vec![];
+    for n in HOOKS {
+        let config = limits.clone() + &agent("x", &tools[0], &hooks[..n], &["tool_result"]);
+        rows.push((format!("{n} hooks"), n, lattice(&config, &dir, &format!("h{n}")).await));
+    }
+    let both = limits.clone() + &agent("x", &tools[0], &hooks[..3], &["tool_result", "model_request"]);
+    // Each query: 1 tool_result round and 2 model_request rounds.
+    rows.push(("3 hooks, both events".into(), 9, lattice(&both, &dir, "both").await));
+    for (_, _, (_, client)) in rows.iter_mut() {
+        for _ in 0..20 {
+            query(client, "x").await;
+        }
+    }
+
+    // Interleaved rounds.
+    let request = tool_result(KIB);
+    let mut bare_s = Sample::default();
+    let mut direct: Vec<Sample> = vec![Sample::default(); 3];
+    let mut lat: Vec<Sample> = vec![Sample::default(); rows.len()];
+    let me = std::process::id();
+    for round in 0..rounds {
+        let before = cpu(me);
+        let mut s = Sample::default();
+        for _ in 0..per_round {
+            let t = Instant::now();
+            bare[0].on_tool_result(request.clone()).await.unwrap();
+            s.times.push(t.elapsed());
+        }
+        s.cpu = cpu(me) - before;
+        bare_s.add(s);
+        for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+            let mut s = Sample::default();
+            for _ in 0..per_round {
+                let t = Instant::now();
+                chain(&mut bare[..k], &request).await;
+                s.times.push(t.elapsed());
+            }
+            direct[i].add(s);
+        }
+        for (i, (_, _, (proc, client))) in rows.iter_mut().enumerate() {
+            let before = cpu(proc.pid());
+            let mut s = Sample::default();
+            for _ in 0..per_round {
+                s.times.push(query(client, "x").await);
+            }
+            s.cpu = cpu(proc.pid()) - before;
+            lat[i].add(s);
+        }
+        println!("round {}/{rounds} done, load average {}", round + 1, loadavg());
+    }
+
+    println!();
+    println!("1 KiB, {} calls or queries per row ({rounds} interleaved rounds):", rounds * per_round);
+    let bare_cpu = bare_s.cpu_per(1);
+    println!(
+        "  bare tonic RPC: p50 {:.0} µs, p99 {:.0} µs, client CPU {:.1} µs per RPC",
+        us(bare_s.p(0.5)),
+        us(bare_s.p(0.99)),
+        us(bare_cpu)
+    );
+    let _ = writeln!(csv, "bare,rpc_p50_us,{:.1},,", us(bare_s.p(0.5)));
+    let _ = writeln!(csv, "bare,rpc_p99_us,{:.1},,", us(bare_s.p(0.99)));
+    let _ = writeln!(csv, "bare,client_cpu_per_rpc_us,{:.1},,", us(bare_cpu));
+    for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+        println!(
+            "  direct chain of {k}: p50 {:.0} µs ({:.0} µs per call), p99 {:.0} µs",
+            us(direct[i].p(0.5)),
+            us(direct[i].p(0.5)) / k as f64,
+            us(direct[i].p(0.99))
+        );
+    }
+    let base = &lat[0];
+    println!(
+        "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>12} {:>12}",
+        "Lattice", "p50 µs", "p99 µs", "added/hook p50", "vs direct", "added/hook p99", "CPU/hook µs", "vs bare CPU"
+    );
+    for (i, (label, calls, _)) in rows.iter().enumerate() {
+        let s = &lat[i];
+        let (p50, p99) = (us(s.p(0.5)), us(s.p(0.99)));
+        if *calls == 0 {
+            println!("  {label:<22} {p50:>9.0} {p99:>9.0}");
+            let _ = writeln!(csv, "lattice,{label} p50_us,{p50:.1},,");
+            continue;
+        }
+        let added50 = (p50 - us(base.p(0.5))) / *calls as f64;
+        let added99 = (p99 - us(base.p(0.99))) / *calls as f64;
+        // The direct chain of the same length (8 for 9 calls of "both").
+        let d = match calls {
+            1 => &direct[0],
+            3 => &direct[1],
+            _ => &direct[2],
+        };
+        let dk = match calls {
+            1 => 1.0,
+            3 => 3.0,
+            _ => 8.0,
+        };
+        let (d50, d99) = (us(d.p(0.5)) / dk, us(d.p(0.99)) / dk);
+        let cpu_per_hook = (us(s.cpu_per(1)) - us(base.cpu_per(1))) / *calls as f64;
+        println!(
+            "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}×",
+            added50 / d50,
+            cpu_per_hook / us(bare_cpu)
+        );
+        let _ = writeln!(csv, "lattice,{label} added_p50_per_hook_us,{added50:.1},{d50:.1},{:.3}", added50 / d50);
+        let _ = writeln!(csv, "lattice,{label} added_p99_per_hook_us,{added99:.1},{d99:.1},{:.3}", added99 / d99);
+        let _ = writeln!(
+            csv,
+            "lattice,{label} cpu_per_hook_us,{cpu_per_hook:.1},{:.1},{:.3}",
+            us(bare_cpu),
+            cpu_per_hook / us(bare_cpu)
+        );
+    }
+
+    // Throughput with 3 hooks vs the bare-RPC ceiling.
+    println!();
+    println!("throughput, 3 hooks (4 RPCs a query: 3 hooks + 1 tool), 1 KiB:");
+    let three = rows.iter().find(|r| r.1 == 3).map(|r| r.2.1.clone()).unwrap();
+    let hook0 = bare[0].clone();
+    for clients in [1usize, 8, 64] {
+        let h = hook0.clone();
+        let req = request.clone();
+        let rps = throughput(clients, 2.0, move |_| {
+            let mut h = h.clone();
+            let req = req.clone();
+            async move {
+                h.on_tool_result(req).await.unwrap();
+            }
+        })
+        .await;
+        let c = three.clone();
+        let qps = throughput(clients, 2.0, move |_| {
+            let mut c = c.clone();
+            async move {
+                query(&mut c, "x").await;
+            }
+        })
+        .await;
+        let ceiling = rps / 4.0;
+        println!(
+            "  {clients:>3} clients: bare {rps:>7.0} RPC/s → ceiling {ceiling:>6.0} queries/s; Lattice {qps:>6.0} queries/s = {:.0} % of it",
+            100.0 * qps / ceiling
+        );
+        let _ = writeln!(csv, "throughput,{clients} clients queries_per_s,{qps:.0},{ceiling:.0},{:.3}", qps / ceiling);
+    }
+    drop(rows);
+
+    // Payloads through 3 hooks vs three bare echoes; Lattice's memory.
+    println!();
+    println!("payloads through 3 hooks (OnToolResult), each {} queries:", rounds.max(3));
+    let mut config = limits.clone();
+    for (i, size) in SIZES.iter().enumerate() {
+        config += &agent(&format!("p{size}h0"), &tools[i], &[], &["tool_result"]);
+        config += &agent(&format!("p{size}h3"), &tools[i], &hooks[..3], &["tool_result"]);
+    }
+    let (proc, mut client) = lattice(&config, &dir, "payloads").await;
+    query_once(&mut client, &format!("p{}h3", SIZES[0])).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rss_start = status_bytes(proc.pid(), "VmRSS");
+    println!("  Lattice RSS at rest: {:.1} MiB", rss_start as f64 / MIB as f64);
+    for size in SIZES {
+        let request = tool_result(size);
+        let n = rounds.max(3);
+        let (mut echo, mut h0, mut h3) = (Sample::default(), Sample::default(), Sample::default());
+        for _ in 0..n {
+            let t = Instant::now();
+            for b in bare.iter_mut().take(3) {
+                b.on_tool_result(request.clone()).await.unwrap();
+            }
+            echo.times.push(t.elapsed());
+            h0.times.push(query_once(&mut client, &format!("p{size}h0")).await);
+            h3.times.push(query_once(&mut client, &format!("p{size}h3")).await);
+        }
+        let added = us(h3.p(0.5)) - us(h0.p(0.5));
+        let reference = us(echo.p(0.5));
+        let peak = status_bytes(proc.pid(), "VmHWM").saturating_sub(rss_start);
+        println!(
+            "  {:>8}: 3 hooks add {:>9.0} µs vs 3 bare echoes {:>9.0} µs = {:>5.2}×; peak RSS growth {:>6.1} MiB = {:>5.1}× the payload",
+            human(size),
+            added,
+            reference,
+            added / reference,
+            peak as f64 / MIB as f64,
+            peak as f64 / size as f64
+        );
+        let _ = writeln!(csv, "payload,{size} added_p50_us,{added:.1},{reference:.1},{:.3}", added / reference);
+        let _ = writeln!(csv, "payload,{size} peak_rss_growth_bytes,{peak},{size},{:.3}", peak as f64 / size as f64);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_end = status_bytes(proc.pid(), "VmRSS");
+    println!(
+        "  Lattice RSS 2 s after the last query: {:.1} MiB ({:+.1} MiB from rest)",
+        rss_end as f64 / MIB as f64,
+        (rss_end as f64 - rss_start as f64) / MIB as f64
+    );
+    let _ = writeln!(csv, "payload,rss_after_bytes,{rss_end},{rss_start},{:.3}", rss_end as f64 / rss_start as f64);
+    println!();
+    println!("load average {} at the end; CSV in {csv_path}", loadavg());
+    std::fs::write(&csv_path, csv).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= MIB { format!("{} MiB", bytes / MIB) } else { format!("{} KiB", bytes / KIB) }
+}
