@@ -165,33 +165,53 @@ async fn roll(client: &Lattice, replicas: &[ContainerAsync<GenericImage>], answe
     }
 }
 
+/// A tool service (answering `secret`), two redaction hook replicas `[a]`
+/// and `[b]` (with their extra arguments) behind one alias named as
+/// `dns:///`, and Lattice, on a network of their own.
+struct HookReplicas {
+    _tool: ContainerAsync<GenericImage>,
+    hooks: Vec<ContainerAsync<GenericImage>>,
+    server: ContainerAsync<GenericImage>,
+    client: Arc<Lattice>,
+}
+
+impl HookReplicas {
+    async fn start(tag: &str, secret: &str, a: &[&str], b: &[&str], hook_deadline_ms: u64) -> HookReplicas {
+        let image = peer_image().await;
+        let net = unique(tag);
+        let (tool_name, alias) = (unique("tools"), unique("redact"));
+        let tool = start_tool(&image, &["--text", secret], PeerOpts::on(&net, &tool_name)).await;
+        let hooks = replicas(&net, &alias, async |marker| {
+            let mut args = vec!["--replace", "clean", "--append", marker];
+            args.extend(if marker == "[a]" { a } else { b });
+            start_hook(&image, &args, PeerOpts::default()).await
+        })
+        .await;
+        let config = cfg::agent("x", "")
+            + &cfg::turn("go", &["fetch"])
+            + &cfg::turn("model saw {{last_tool_result}}", &[])
+            + &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 2000)
+            + &cfg::hook("redact", &format!("dns:///{alias}:{HOOK_PORT}"), &["tool_result"], hook_deadline_ms);
+        let server = start_lattice(&config, &net).await;
+        let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
+        HookReplicas { _tool: tool, hooks, server, client }
+    }
+}
+
 /// A rolling update of the redaction hook (two replicas behind one name,
 /// each stopped with SIGTERM in turn while queries run) fails no query.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hook_rollout_fails_no_query() {
     let secret = canary();
-    let image = peer_image().await;
-    let net = unique("hook-rollout");
-    let (tool_name, alias) = (unique("tools"), unique("redact"));
-    let _tool = start_tool(&image, &["--text", &secret], PeerOpts::on(&net, &tool_name)).await;
-    let hooks = replicas(&net, &alias, async |marker| {
-        let args = ["--replace", "clean", "--append", marker, "--drain-ms", DRAIN_MS];
-        start_hook(&image, &args, PeerOpts::default()).await
-    })
-    .await;
-    let config = cfg::agent("x", "")
-        + &cfg::turn("go", &["fetch"])
-        + &cfg::turn("model saw {{last_tool_result}}", &[])
-        + &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 2000)
-        + &cfg::hook("redact", &format!("dns:///{alias}:{HOOK_PORT}"), &["tool_result"], 1000);
-    let server = start_lattice(&config, &net).await;
-    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
+    let on =
+        HookReplicas::start("hook-rollout", &secret, &["--drain-ms", DRAIN_MS], &["--drain-ms", DRAIN_MS], 1000).await;
+    let (hooks, server, client) = (&on.hooks, &on.server, &on.client);
     for answer in ["model saw clean[a]", "model saw clean[b]"] {
-        until_answer(&client, answer, Duration::from_secs(20)).await;
+        until_answer(client, answer, Duration::from_secs(20)).await;
     }
 
-    let load = Load::start(&client, &secret);
-    roll(&client, &hooks, ["model saw clean[a]", "model saw clean[b]"]).await;
+    let load = Load::start(client, &secret);
+    roll(client, hooks, ["model saw clean[a]", "model saw clean[b]"]).await;
     let rollout = load.finish().await;
     println!(
         "rollout: {} queries answered {:?}, {} failed {:?}",
@@ -203,7 +223,7 @@ async fn a_hook_rollout_fails_no_query() {
     assert_eq!(rollout.failed(), 0, "a rolling update failed queries: {:?}", rollout.failures);
     assert!(rollout.answered() > 100, "the load ran: {rollout:?}");
 
-    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
+    assert!(!container_logs(server).await.contains(&secret), "the canary reached the server's logs");
 }
 
 /// SIGKILL of a hook replica while calls are on it (it takes 3 s per call,
@@ -213,25 +233,11 @@ async fn a_hook_rollout_fails_no_query() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_hook_replica_fails_only_the_calls_on_it() {
     let secret = canary();
-    let image = peer_image().await;
-    let net = unique("hook-kill");
-    let (tool_name, alias) = (unique("tools"), unique("redact"));
-    let _tool = start_tool(&image, &["--text", &secret], PeerOpts::on(&net, &tool_name)).await;
-    let hooks = replicas(&net, &alias, async |marker| {
-        let delay = if marker == "[a]" { "3000" } else { "0" };
-        start_hook(&image, &["--replace", "clean", "--append", marker, "--delay-ms", delay], PeerOpts::default()).await
-    })
-    .await;
-    let config = cfg::agent("x", "")
-        + &cfg::turn("go", &["fetch"])
-        + &cfg::turn("model saw {{last_tool_result}}", &[])
-        + &cfg::tools(&format!("http://{tool_name}:{TOOL_PORT}"), 2000)
-        + &cfg::hook("redact", &format!("dns:///{alias}:{HOOK_PORT}"), &["tool_result"], 8000);
-    let server = start_lattice(&config, &net).await;
-    let client = Lattice::remote(&host_url(&server, LATTICE_PORT).await).await;
-    until_answer(&client, "model saw clean[b]", Duration::from_secs(20)).await;
+    let on = HookReplicas::start("hook-kill", &secret, &["--delay-ms", "3000"], &[], 8000).await;
+    let (hooks, server, client) = (&on.hooks, &on.server, &on.client);
+    until_answer(client, "model saw clean[b]", Duration::from_secs(20)).await;
 
-    let load = Load::start(&client, &secret);
+    let load = Load::start(client, &secret);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let killing = Instant::now();
     docker_async(&["kill", hooks[0].id()]).await;
@@ -255,7 +261,7 @@ async fn a_killed_hook_replica_fails_only_the_calls_on_it() {
     while since.elapsed() < Duration::from_secs(2) {
         assert_eq!(client.query("x", "go").await.ok().text, "model saw clean[b]");
     }
-    assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
+    assert!(!container_logs(server).await.contains(&secret), "the canary reached the server's logs");
 }
 
 /// The same rolling update for a tool service: no tool call fails.
