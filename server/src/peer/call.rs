@@ -50,7 +50,10 @@ use tonic::{
 use tower::ServiceExt;
 use tracing::debug;
 
-use super::{Peer, pool::Slot};
+use super::{
+    Peer,
+    pool::{Calls, Slot},
+};
 
 /// The most attempts of one call on a single-address target (a retry
 /// reconnects once the old connection is seen closed; a ClusterIP Service
@@ -252,8 +255,13 @@ fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
 /// One attempt on one address.
 async fn send(slot: &Arc<Slot>, request: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
     let _load = Load::on(slot.clone());
-    let channel = slot.channel.clone().ready_oneshot().await?;
-    Ok(channel.oneshot(request).await?)
+    match &slot.calls {
+        Calls::Direct(direct) => direct.send(request).await,
+        Calls::Channel(channel) => {
+            let channel = channel.clone().ready_oneshot().await?;
+            Ok(channel.oneshot(request).await?)
+        }
+    }
 }
 
 /// Counts an attempt in flight on a slot while it lives.

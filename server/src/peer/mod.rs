@@ -21,6 +21,7 @@
 //! its deadline (see [`call`]); any other failure is the call's result.
 
 mod call;
+mod direct;
 mod pool;
 
 use std::{
@@ -32,7 +33,7 @@ use std::{
 pub(crate) use call::Probe;
 pub use call::{CallDeadline, ProbedBody};
 pub use pool::HEALTH_CONNECT_TIMEOUT;
-use pool::Pool;
+use pool::{Calls, Pool};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use tonic::{
     codegen::http,
@@ -177,10 +178,15 @@ impl Checked {
         Ok(Checked { target, tls })
     }
 
-    /// Two lazy channels to `uri`: one for calls, one for health checks
-    /// (see [`pool::HEALTH_CONNECT_TIMEOUT`]).
-    fn channels(&self, uri: &str, connect_timeout: Duration) -> Result<(Channel, Channel), String> {
-        let calls = self.endpoint(uri.to_owned(), connect_timeout)?.connect_lazy();
+    /// Two lazy connections to `uri`: one for calls (without a buffer task
+    /// when plaintext, see [`direct`]), one for health checks (see
+    /// [`pool::HEALTH_CONNECT_TIMEOUT`]).
+    fn channels(&self, uri: &str, connect_timeout: Duration) -> Result<(Calls, Channel), String> {
+        let endpoint = self.endpoint(uri.to_owned(), connect_timeout)?;
+        let calls = match (&self.tls, endpoint.uri().authority()) {
+            (None, Some(authority)) => Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout)?),
+            _ => Calls::Channel(endpoint.connect_lazy()),
+        };
         let health = self.endpoint(uri.to_owned(), pool::HEALTH_CONNECT_TIMEOUT.min(connect_timeout))?.connect_lazy();
         Ok((calls, health))
     }
@@ -263,7 +269,7 @@ impl Peer {
     /// health is not checked.
     pub fn over(channel: Channel) -> Peer {
         let name = "in-process".to_owned();
-        Peer { pool: Pool::single(name.clone(), name, channel.clone(), channel, None), tls: false }
+        Peer { pool: Pool::single(name.clone(), name, Calls::Channel(channel.clone()), channel, None), tls: false }
     }
 
     /// A peer over several ready channels, tried in this order (in-process

@@ -29,17 +29,26 @@ use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 use tracing::{debug, info, warn};
 
-use super::{Checked, RESOLVE_EVERY, call::NotSent};
+use super::{Checked, RESOLVE_EVERY, call::NotSent, direct::Direct};
 
 /// How long a health check's connection may take to connect.
 pub const HEALTH_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How calls reach one address.
+#[derive(Debug, Clone)]
+pub(crate) enum Calls {
+    /// Plaintext: a connection without a buffer task (see [`Direct`]).
+    Direct(Arc<Direct>),
+    /// TLS, or an in-process service: a tonic channel.
+    Channel(Channel),
+}
 
 /// One address and its connection.
 #[derive(Debug)]
 pub(crate) struct Slot {
     /// `ip:port`, or the URL's authority for an `http(s)://` target.
     pub(crate) addr: String,
-    pub(crate) channel: Channel,
+    pub(crate) calls: Calls,
     /// A connection of its own for health checks, with a short connect
     /// timeout: an address that no longer answers SYNs is told apart from a
     /// slow service.
@@ -99,18 +108,18 @@ impl Pool {
         })
     }
 
-    /// A pool of one slot over `channel` (an `http(s)://` target, or an
+    /// A pool of one slot over `calls` (an `http(s)://` target, or an
     /// in-process channel in tests); its health is checked over `health`
     /// every `health_every`.
     pub(crate) fn single(
         name: String,
         addr: String,
-        channel: Channel,
+        calls: Calls,
         health: Channel,
         health_every: Option<Duration>,
     ) -> Arc<Pool> {
         let pool = Pool::new(name, true, health_every);
-        let slot = pool.add(addr, channel, health);
+        let slot = pool.add(addr, calls, health);
         *pool.slots.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(vec![slot]);
         pool.recount();
         pool
@@ -121,7 +130,10 @@ impl Pool {
     #[cfg(test)]
     pub(crate) fn fixed(channels: Vec<Channel>) -> Arc<Pool> {
         let pool = Pool::new("in-process".into(), false, None);
-        let slots = channels.into_iter().enumerate().map(|(i, c)| pool.add(format!("in-process-{i}"), c.clone(), c));
+        let slots = channels
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| pool.add(format!("in-process-{i}"), Calls::Channel(c.clone()), c));
         *pool.slots.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(slots.collect());
         pool.recount();
         pool
@@ -142,11 +154,11 @@ impl Pool {
     }
 
     /// A new slot; its health is checked over `health`.
-    fn add(self: &Arc<Self>, addr: String, channel: Channel, health: Channel) -> Arc<Slot> {
+    fn add(self: &Arc<Self>, addr: String, calls: Calls, health: Channel) -> Arc<Slot> {
         let slot = Arc::new(Slot {
             addr,
             health,
-            channel,
+            calls,
             // With health checks, ready once the first one (made at once)
             // says so; without, ready until a call says otherwise.
             ready: AtomicBool::new(self.health_every.is_none()),
@@ -217,15 +229,15 @@ impl Pool {
 
     /// Replaces the slots with those for `found`: kept where the address
     /// stays, new (ready once checked) where it is new.
-    fn update(self: &Arc<Self>, found: &[SocketAddr], make: impl Fn(SocketAddr) -> Option<(Channel, Channel)>) {
+    fn update(self: &Arc<Self>, found: &[SocketAddr], make: impl Fn(SocketAddr) -> Option<(Calls, Channel)>) {
         let current = self.slots();
         let mut next = Vec::with_capacity(found.len());
         for addr in found {
             let text = addr.to_string();
             if let Some(kept) = current.iter().find(|s| s.addr == text) {
                 next.push(kept.clone());
-            } else if let Some((channel, health)) = make(*addr) {
-                next.push(self.add(text, channel, health));
+            } else if let Some((calls, health)) = make(*addr) {
+                next.push(self.add(text, calls, health));
             }
         }
         *self.slots.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
