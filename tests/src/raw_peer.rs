@@ -121,7 +121,8 @@ pub enum Next {
     Proxy,
     /// Keeps it from the service and answers GOAWAY(NO_ERROR) whose
     /// last-stream-id is the previous stream (so this one was not
-    /// processed), then closes the connection: a service shutting down.
+    /// processed), then closes the connection 2 s later: a service shutting
+    /// down while other calls finish.
     GoAwayUnprocessed,
     /// Keeps it from the service and refuses it (RST_STREAM
     /// REFUSED_STREAM); the connection stays.
@@ -217,7 +218,9 @@ async fn gate(conn: TcpStream, to: std::net::SocketAddr, armed: Armed) {
                     let mut goaway = last.to_be_bytes().to_vec();
                     goaway.extend(0u32.to_be_bytes()); // NO_ERROR
                     let _ = client_w.lock().await.write_all(&frame(0x7, 0, 0, &goaway)).await;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Open a while longer, as a server whose other calls
+                    // are still running keeps it.
+                    tokio::time::sleep(Duration::from_secs(2)).await;
                     down.abort();
                     let _ = client_w.lock().await.shutdown().await;
                     return;

@@ -221,6 +221,13 @@ impl tower::Service<http::Request<Body>> for Peer {
                         if let Some(why) = down {
                             pool.set_ready(&slot, false, why);
                         }
+                        // A connection going away takes no new request: the
+                        // next attempt on this address connects again.
+                        if let (Some(NotSent::GoAway | NotSent::Closed), Calls::Direct(direct)) =
+                            (not_sent, &slot.calls)
+                        {
+                            direct.forget();
+                        }
                         // A single address is tried again (after a reconnect);
                         // otherwise each address once.
                         let more = !pool.single || tried.len() < SINGLE_ATTEMPTS;

@@ -93,6 +93,14 @@ impl Direct {
         Ok(sender)
     }
 
+    /// Stops using the open connection (it is going away): the next call
+    /// makes a new one. Calls in flight on it finish on it.
+    pub(crate) fn forget(&self) {
+        if let Ok(mut open) = self.open.lock() {
+            *open = None;
+        }
+    }
+
     /// Sends one request (its URI a path) on the connection.
     pub(crate) async fn send(&self, mut request: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
         let mut parts = request.uri().clone().into_parts();
