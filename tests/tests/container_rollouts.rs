@@ -56,6 +56,19 @@ impl Tally {
     }
 }
 
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} queries answered {:?}, {} failed {:?}",
+            self.answered(),
+            self.answers,
+            self.failed(),
+            self.failures
+        )
+    }
+}
+
 /// Queries from [`CLIENTS`] clients, one after another each, until stopped;
 /// no outcome may carry the canary.
 struct Load {
@@ -213,13 +226,7 @@ async fn a_hook_rollout_fails_no_query() {
     let load = Load::start(client, &secret);
     roll(client, hooks, ["model saw clean[a]", "model saw clean[b]"]).await;
     let rollout = load.finish().await;
-    println!(
-        "rollout: {} queries answered {:?}, {} failed {:?}",
-        rollout.answered(),
-        rollout.answers,
-        rollout.failed(),
-        rollout.failures
-    );
+    println!("rollout: {rollout}");
     assert_eq!(rollout.failed(), 0, "a rolling update failed queries: {:?}", rollout.failures);
     assert!(rollout.answered() > 100, "the load ran: {rollout:?}");
 
@@ -243,14 +250,7 @@ async fn a_killed_hook_replica_fails_only_the_calls_on_it() {
     docker_async(&["kill", hooks[0].id()]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let tally = load.finish().await;
-    println!(
-        "SIGKILL: {} queries answered {:?}, {} failed {:?}, in {:?}",
-        tally.answered(),
-        tally.answers,
-        tally.failed(),
-        tally.failures,
-        killing.elapsed()
-    );
+    println!("SIGKILL: {tally}, in {:?}", killing.elapsed());
     // The slow replica holds a call whenever the fast one is as loaded;
     // the others went to the fast one.
     assert!((1..=CLIENTS).contains(&tally.failed()), "only the calls on the killed replica fail: {tally:?}");
@@ -288,13 +288,7 @@ async fn a_tool_rollout_fails_no_tool_call() {
     let load = Load::start(&client, "no canary here");
     roll(&client, &tools, ["model saw [a]", "model saw [b]"]).await;
     let rollout = load.finish().await;
-    println!(
-        "rollout: {} queries answered {:?}, {} failed {:?}",
-        rollout.answered(),
-        rollout.answers,
-        rollout.failed(),
-        rollout.failures
-    );
+    println!("rollout: {rollout}");
     // A failed tool call is an error result the model reads, not a failed
     // query: every answer must be one of the two replicas' texts.
     assert_eq!(rollout.failed(), 0, "{rollout:?}");

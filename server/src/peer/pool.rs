@@ -213,15 +213,15 @@ impl Pool {
         if self.single {
             return slots.first().map(|s| (0, s.clone()));
         }
-        let candidates: Vec<usize> =
-            (0..slots.len()).filter(|i| !tried.contains(i) && slots[*i].ready.load(Ordering::Relaxed)).collect();
-        let n = candidates.len();
+        // Counted and indexed in place: nothing allocated per call.
+        let candidates = || (0..slots.len()).filter(|i| !tried.contains(i) && slots[*i].ready.load(Ordering::Relaxed));
+        let n = candidates().count();
         if n == 0 {
             return None;
         }
         let turn = self.turn.fetch_add(1, Ordering::Relaxed);
-        let a = candidates[turn % n];
-        let b = candidates[(turn + 1) % n];
+        let a = candidates().nth(turn % n)?;
+        let b = candidates().nth((turn + 1) % n)?;
         let load = |i: usize| slots[i].in_flight.load(Ordering::Relaxed);
         let i = if load(b) < load(a) { b } else { a };
         Some((i, slots[i].clone()))
