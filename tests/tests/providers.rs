@@ -370,6 +370,20 @@ async fn server_errors_fail_clearly_at_the_deadline() {
     }
 }
 
+/// When the deadline cuts a retry short, the error still says why the
+/// request was being retried: the last attempt's HTTP status.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_cut_by_the_deadline_names_the_last_failure() {
+    let api = FakeApi::start(vec![Reply::status(500, json!({"error": {"type": "api_error"}}))]).await;
+    *api.fallback.lock().unwrap() = Reply::Hang(String::new());
+    let lattice = spawn(&agent(P::OpenAi, &api.url, "stream = false\ndeadline_ms = 1500\nretries = 5")).await;
+    let out = lattice.query("m", "hi").await;
+    assert_eq!(out.code(), Code::Unavailable, "{:?}", out.status);
+    let message = out.status.as_ref().unwrap().message().to_owned();
+    assert!(message.contains("within the deadline") && message.contains("HTTP 500"), "{message}");
+    assert_eq!(api.received().len(), 2, "one retry, cut by the deadline");
+}
+
 /// A stream that breaks after text was delivered fails the query with a
 /// clear error; it is not retried from the middle.
 #[tokio::test(flavor = "multi_thread")]

@@ -105,6 +105,9 @@ impl HttpModel {
         let deadline = (Instant::now() + self.cfg.deadline).min(query_deadline);
         let mut retries = 0;
         let mut delivered = false;
+        // Why the previous attempt failed, for an error once the deadline
+        // cuts the retry.
+        let mut last_failure: Option<String> = None;
         loop {
             let started = Instant::now();
             let attempt = async {
@@ -117,9 +120,11 @@ impl HttpModel {
             let outcome = match tokio::time::timeout_at(deadline, attempt).await {
                 Ok(outcome) => outcome,
                 Err(_) => {
-                    return Err(
-                        self.error(ModelErrorKind::Unavailable, "no complete answer within the deadline".into())
-                    );
+                    let message = match &last_failure {
+                        Some(why) => format!("no complete answer within the deadline (the previous attempt: {why})"),
+                        None => "no complete answer within the deadline".into(),
+                    };
+                    return Err(self.error(ModelErrorKind::Unavailable, message));
                 }
             };
             let (message, retry_after) = match outcome {
@@ -149,6 +154,7 @@ impl HttpModel {
             let wait = retry_wait(Instant::now(), deadline, retry_after, retries)
                 .map_err(|why| self.error(ModelErrorKind::Unavailable, format!("{message} ({why})")))?;
             warn!(provider = self.cfg.provider.as_str(), retry = retries + 1, wait_ms = wait.as_millis() as u64, reason = %message, "model request failed; retrying");
+            last_failure = Some(message);
             tokio::time::sleep(wait).await;
             retries += 1;
         }
