@@ -44,16 +44,30 @@ pub enum Format {
 pub fn init(format: Format) {
     let levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let opted_in = std::env::var(TRANSPORT_OPT_IN).is_ok_and(|v| v == "1");
+    let _ = subscriber(format, levels, opted_in, std::io::stderr).try_init();
+    if opted_in {
+        tracing::warn!("{TRANSPORT_OPT_IN}=1: transport crates may log bytes received from peers");
+    }
+}
+
+/// The subscriber `init` installs, writing to `writer`.
+///
+/// Both filters are global (layers of their own, not per-layer filters), so
+/// a callsite they turn off is off for good: `tracing::enabled!` says so,
+/// and the h2 and hyper events on every frame cost nothing. (A per-layer
+/// filter answers `enabled` with "maybe", which made the trace writer
+/// serialize every event for a log line that was then dropped.)
+fn subscriber<W>(format: Format, levels: EnvFilter, opted_in: bool, writer: W) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     let transport = filter::filter_fn(move |m: &Metadata<'_>| opted_in || !from_transport(m.target()));
-    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let layer = tracing_subscriber::fmt::layer().with_writer(writer);
     let layer = match format {
         Format::Text => layer.boxed(),
         Format::Json => layer.json().boxed(),
     };
-    let _ = tracing_subscriber::registry().with(layer.with_filter(levels).with_filter(transport)).try_init();
-    if opted_in {
-        tracing::warn!("{TRANSPORT_OPT_IN}=1: transport crates may log bytes received from peers");
-    }
+    tracing_subscriber::registry().with(levels).with(transport.boxed()).with(layer)
 }
 
 #[cfg(test)]
@@ -67,6 +81,38 @@ mod tests {
         }
         for t in ["lattice_server::hooks", "lattice::trace", "h2o", "tonicity", "towers"] {
             assert!(!from_transport(t), "{t}");
+        }
+    }
+
+    #[test]
+    fn a_level_that_is_off_is_off_for_enabled_too() {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let sink = lines.clone();
+        let writer = move || Sink(sink.clone());
+        let s = subscriber(Format::Text, EnvFilter::new("info"), false, writer);
+        tracing::subscriber::with_default(s, || {
+            // What `Tracer::emit` asks before it serializes anything.
+            assert!(!tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG));
+            assert!(tracing::enabled!(target: "lattice::trace", tracing::Level::INFO));
+            assert!(!tracing::enabled!(target: "h2::codec", tracing::Level::ERROR));
+            tracing::info!(target: "h2::codec", "from the transport");
+            tracing::info!(target: "lattice_server::hooks", "ours");
+        });
+        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("ours"), "{text}");
+        assert!(!text.contains("from the transport"), "{text}");
+    }
+
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
         }
     }
 }

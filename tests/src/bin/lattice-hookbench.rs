@@ -25,7 +25,7 @@
 //!
 //! ```text
 //! cargo build --release -p lattice-server --bin lattice -p lattice-tests --bins
-//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-env K=V]
+//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-env K=V] [--only latency,throughput,payloads] [--secs 2]
 //! ```
 
 use std::{
@@ -280,6 +280,11 @@ async fn main() {
     let csv_path = arg("--csv").unwrap_or_else(|| "hookbench.csv".into());
     // Lattice's `server.worker_threads` (default: one per core).
     let workers = arg("--lattice-workers").map(|n| format!("worker_threads = {n}\n")).unwrap_or_default();
+    // `--only latency,throughput,payloads` runs a subset of the sections.
+    let only = arg("--only");
+    // Seconds each throughput measurement runs.
+    let secs: f64 = arg("--secs").and_then(|v| v.parse().ok()).unwrap_or(2.0);
+    let section = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|s| s == name));
     let dir = std::env::temp_dir().join(format!("lattice-hookbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let peer = sibling("lattice-test-peer");
@@ -345,11 +350,12 @@ async fn main() {
 
     // Interleaved rounds.
     let request = tool_result(KIB);
+    let latency_rounds = if section("latency") { rounds } else { 0 };
     let mut bare_s = Sample::default();
     let mut direct: Vec<Sample> = vec![Sample::default(); 3];
     let mut lat: Vec<Sample> = vec![Sample::default(); rows.len()];
     let me = std::process::id();
-    for round in 0..rounds {
+    for round in 0..latency_rounds {
         let before = cpu(me);
         let mut s = Sample::default();
         for _ in 0..per_round {
@@ -380,151 +386,166 @@ async fn main() {
         println!("round {}/{rounds} done, load average {}", round + 1, loadavg());
     }
 
-    println!();
-    println!("1 KiB, {} calls or queries per row ({rounds} interleaved rounds):", rounds * per_round);
-    let bare_cpu = bare_s.cpu_per(1);
-    println!(
-        "  bare tonic RPC: p50 {:.0} µs, p99 {:.0} µs, client CPU {:.1} µs per RPC",
-        us(bare_s.p(0.5)),
-        us(bare_s.p(0.99)),
-        us(bare_cpu)
-    );
-    let _ = writeln!(csv, "bare,rpc_p50_us,{:.1},,", us(bare_s.p(0.5)));
-    let _ = writeln!(csv, "bare,rpc_p99_us,{:.1},,", us(bare_s.p(0.99)));
-    let _ = writeln!(csv, "bare,client_cpu_per_rpc_us,{:.1},,", us(bare_cpu));
-    for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+    if section("latency") {
+        println!();
+        println!("1 KiB, {} calls or queries per row ({rounds} interleaved rounds):", rounds * per_round);
+        let bare_cpu = bare_s.cpu_per(1);
         println!(
-            "  direct chain of {k}: p50 {:.0} µs ({:.0} µs per call), p99 {:.0} µs",
-            us(direct[i].p(0.5)),
-            us(direct[i].p(0.5)) / k as f64,
-            us(direct[i].p(0.99))
+            "  bare tonic RPC: p50 {:.0} µs, p99 {:.0} µs, client CPU {:.1} µs per RPC",
+            us(bare_s.p(0.5)),
+            us(bare_s.p(0.99)),
+            us(bare_cpu)
         );
-    }
-    let base = &lat[0];
-    println!(
-        "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>12} {:>12}",
-        "Lattice", "p50 µs", "p99 µs", "added/hook p50", "vs direct", "added/hook p99", "CPU/hook µs", "vs bare CPU"
-    );
-    for (i, (label, calls, _)) in rows.iter().enumerate() {
-        let s = &lat[i];
-        let (p50, p99) = (us(s.p(0.5)), us(s.p(0.99)));
-        if *calls == 0 {
-            println!("  {label:<22} {p50:>9.0} {p99:>9.0}");
-            let _ = writeln!(csv, "lattice,{label} p50_us,{p50:.1},,");
-            continue;
+        let _ = writeln!(csv, "bare,rpc_p50_us,{:.1},,", us(bare_s.p(0.5)));
+        let _ = writeln!(csv, "bare,rpc_p99_us,{:.1},,", us(bare_s.p(0.99)));
+        let _ = writeln!(csv, "bare,client_cpu_per_rpc_us,{:.1},,", us(bare_cpu));
+        for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+            println!(
+                "  direct chain of {k}: p50 {:.0} µs ({:.0} µs per call), p99 {:.0} µs",
+                us(direct[i].p(0.5)),
+                us(direct[i].p(0.5)) / k as f64,
+                us(direct[i].p(0.99))
+            );
         }
-        let added50 = (p50 - us(base.p(0.5))) / *calls as f64;
-        let added99 = (p99 - us(base.p(0.99))) / *calls as f64;
-        // The direct chain of the same length (8 for 9 calls of "both").
-        let d = match calls {
-            1 => &direct[0],
-            3 => &direct[1],
-            _ => &direct[2],
-        };
-        let dk = match calls {
-            1 => 1.0,
-            3 => 3.0,
-            _ => 8.0,
-        };
-        let (d50, d99) = (us(d.p(0.5)) / dk, us(d.p(0.99)) / dk);
-        let cpu_per_hook = (us(s.cpu_per(1)) - us(base.cpu_per(1))) / *calls as f64;
+        let base = &lat[0];
         println!(
-            "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}×",
-            added50 / d50,
-            cpu_per_hook / us(bare_cpu)
+            "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>12} {:>12}",
+            "Lattice",
+            "p50 µs",
+            "p99 µs",
+            "added/hook p50",
+            "vs direct",
+            "added/hook p99",
+            "CPU/hook µs",
+            "vs bare CPU"
         );
-        let _ = writeln!(csv, "lattice,{label} added_p50_per_hook_us,{added50:.1},{d50:.1},{:.3}", added50 / d50);
-        let _ = writeln!(csv, "lattice,{label} added_p99_per_hook_us,{added99:.1},{d99:.1},{:.3}", added99 / d99);
-        let _ = writeln!(
-            csv,
-            "lattice,{label} cpu_per_hook_us,{cpu_per_hook:.1},{:.1},{:.3}",
-            us(bare_cpu),
-            cpu_per_hook / us(bare_cpu)
-        );
+        for (i, (label, calls, _)) in rows.iter().enumerate() {
+            let s = &lat[i];
+            let (p50, p99) = (us(s.p(0.5)), us(s.p(0.99)));
+            if *calls == 0 {
+                println!("  {label:<22} {p50:>9.0} {p99:>9.0}");
+                let _ = writeln!(csv, "lattice,{label} p50_us,{p50:.1},,");
+                continue;
+            }
+            let added50 = (p50 - us(base.p(0.5))) / *calls as f64;
+            let added99 = (p99 - us(base.p(0.99))) / *calls as f64;
+            // The direct chain of the same length (8 for 9 calls of "both").
+            let d = match calls {
+                1 => &direct[0],
+                3 => &direct[1],
+                _ => &direct[2],
+            };
+            let dk = match calls {
+                1 => 1.0,
+                3 => 3.0,
+                _ => 8.0,
+            };
+            let (d50, d99) = (us(d.p(0.5)) / dk, us(d.p(0.99)) / dk);
+            let cpu_per_hook = (us(s.cpu_per(1)) - us(base.cpu_per(1))) / *calls as f64;
+            println!(
+                "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}×",
+                added50 / d50,
+                cpu_per_hook / us(bare_cpu)
+            );
+            let _ = writeln!(csv, "lattice,{label} added_p50_per_hook_us,{added50:.1},{d50:.1},{:.3}", added50 / d50);
+            let _ = writeln!(csv, "lattice,{label} added_p99_per_hook_us,{added99:.1},{d99:.1},{:.3}", added99 / d99);
+            let _ = writeln!(
+                csv,
+                "lattice,{label} cpu_per_hook_us,{cpu_per_hook:.1},{:.1},{:.3}",
+                us(bare_cpu),
+                cpu_per_hook / us(bare_cpu)
+            );
+        }
     }
 
     // Throughput with 3 hooks vs the bare-RPC ceiling.
-    println!();
-    println!("throughput, 3 hooks (4 RPCs a query: 3 hooks + 1 tool), 1 KiB:");
-    let three = rows.iter().find(|r| r.1 == 3).map(|r| r.2.1.clone()).unwrap();
-    let hook0 = bare[0].clone();
-    for clients in [1usize, 8, 64] {
-        let h = hook0.clone();
-        let req = request.clone();
-        let rps = throughput(clients, 2.0, move |_| {
-            let mut h = h.clone();
-            let req = req.clone();
-            async move {
-                h.on_tool_result(req).await.unwrap();
-            }
-        })
-        .await;
-        let c = three.clone();
-        let qps = throughput(clients, 2.0, move |_| {
-            let mut c = c.clone();
-            async move {
-                query(&mut c, "x").await;
-            }
-        })
-        .await;
-        let ceiling = rps / 4.0;
-        println!(
-            "  {clients:>3} clients: bare {rps:>7.0} RPC/s → ceiling {ceiling:>6.0} queries/s; Lattice {qps:>6.0} queries/s = {:.0} % of it",
-            100.0 * qps / ceiling
-        );
-        let _ = writeln!(csv, "throughput,{clients} clients queries_per_s,{qps:.0},{ceiling:.0},{:.3}", qps / ceiling);
+    if section("throughput") {
+        println!();
+        println!("throughput, 3 hooks (4 RPCs a query: 3 hooks + 1 tool), 1 KiB:");
+        let three = rows.iter().find(|r| r.1 == 3).map(|r| r.2.1.clone()).unwrap();
+        let hook0 = bare[0].clone();
+        for clients in [1usize, 8, 64] {
+            let h = hook0.clone();
+            let req = request.clone();
+            let rps = throughput(clients, secs, move |_| {
+                let mut h = h.clone();
+                let req = req.clone();
+                async move {
+                    h.on_tool_result(req).await.unwrap();
+                }
+            })
+            .await;
+            let c = three.clone();
+            let qps = throughput(clients, secs, move |_| {
+                let mut c = c.clone();
+                async move {
+                    query(&mut c, "x").await;
+                }
+            })
+            .await;
+            let ceiling = rps / 4.0;
+            println!(
+                "  {clients:>3} clients: bare {rps:>7.0} RPC/s → ceiling {ceiling:>6.0} queries/s; Lattice {qps:>6.0} queries/s = {:.0} % of it",
+                100.0 * qps / ceiling
+            );
+            let _ =
+                writeln!(csv, "throughput,{clients} clients queries_per_s,{qps:.0},{ceiling:.0},{:.3}", qps / ceiling);
+        }
     }
     drop(rows);
 
     // Payloads through 3 hooks vs three bare echoes; Lattice's memory.
-    println!();
-    println!("payloads through 3 hooks (OnToolResult), each {} queries:", rounds.max(3));
-    let mut config = limits.clone();
-    for (i, size) in SIZES.iter().enumerate() {
-        config += &agent(&format!("p{size}h0"), &tools[i], &[], &["tool_result"]);
-        config += &agent(&format!("p{size}h3"), &tools[i], &hooks[..3], &["tool_result"]);
-    }
-    let (proc, mut client) = lattice(&config, &dir, "payloads").await;
-    query_once(&mut client, &format!("p{}h3", SIZES[0])).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let rss_start = status_bytes(proc.pid(), "VmRSS");
-    println!("  Lattice RSS at rest: {:.1} MiB", rss_start as f64 / MIB as f64);
-    for size in SIZES {
-        let request = tool_result(size);
-        let n = rounds.max(3);
-        let (mut echo, mut h0, mut h3) = (Sample::default(), Sample::default(), Sample::default());
-        for _ in 0..n {
-            let t = Instant::now();
-            for b in bare.iter_mut().take(3) {
-                b.on_tool_result(request.clone()).await.unwrap();
-            }
-            echo.times.push(t.elapsed());
-            h0.times.push(query_once(&mut client, &format!("p{size}h0")).await);
-            h3.times.push(query_once(&mut client, &format!("p{size}h3")).await);
+    if section("payloads") {
+        println!();
+        println!("payloads through 3 hooks (OnToolResult), each {} queries:", rounds.max(3));
+        let mut config = limits.clone();
+        for (i, size) in SIZES.iter().enumerate() {
+            config += &agent(&format!("p{size}h0"), &tools[i], &[], &["tool_result"]);
+            config += &agent(&format!("p{size}h3"), &tools[i], &hooks[..3], &["tool_result"]);
         }
-        let added = us(h3.p(0.5)) - us(h0.p(0.5));
-        let reference = us(echo.p(0.5));
-        let peak = status_bytes(proc.pid(), "VmHWM").saturating_sub(rss_start);
+        let (proc, mut client) = lattice(&config, &dir, "payloads").await;
+        query_once(&mut client, &format!("p{}h3", SIZES[0])).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let rss_start = status_bytes(proc.pid(), "VmRSS");
+        println!("  Lattice RSS at rest: {:.1} MiB", rss_start as f64 / MIB as f64);
+        for size in SIZES {
+            let request = tool_result(size);
+            let n = rounds.max(3);
+            let (mut echo, mut h0, mut h3) = (Sample::default(), Sample::default(), Sample::default());
+            for _ in 0..n {
+                let t = Instant::now();
+                for b in bare.iter_mut().take(3) {
+                    b.on_tool_result(request.clone()).await.unwrap();
+                }
+                echo.times.push(t.elapsed());
+                h0.times.push(query_once(&mut client, &format!("p{size}h0")).await);
+                h3.times.push(query_once(&mut client, &format!("p{size}h3")).await);
+            }
+            let added = us(h3.p(0.5)) - us(h0.p(0.5));
+            let reference = us(echo.p(0.5));
+            let peak = status_bytes(proc.pid(), "VmHWM").saturating_sub(rss_start);
+            println!(
+                "  {:>8}: 3 hooks add {:>9.0} µs vs 3 bare echoes {:>9.0} µs = {:>5.2}×; peak RSS growth {:>6.1} MiB = {:>5.1}× the payload",
+                human(size),
+                added,
+                reference,
+                added / reference,
+                peak as f64 / MIB as f64,
+                peak as f64 / size as f64
+            );
+            let _ = writeln!(csv, "payload,{size} added_p50_us,{added:.1},{reference:.1},{:.3}", added / reference);
+            let _ =
+                writeln!(csv, "payload,{size} peak_rss_growth_bytes,{peak},{size},{:.3}", peak as f64 / size as f64);
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rss_end = status_bytes(proc.pid(), "VmRSS");
         println!(
-            "  {:>8}: 3 hooks add {:>9.0} µs vs 3 bare echoes {:>9.0} µs = {:>5.2}×; peak RSS growth {:>6.1} MiB = {:>5.1}× the payload",
-            human(size),
-            added,
-            reference,
-            added / reference,
-            peak as f64 / MIB as f64,
-            peak as f64 / size as f64
+            "  Lattice RSS 2 s after the last query: {:.1} MiB ({:+.1} MiB from rest)",
+            rss_end as f64 / MIB as f64,
+            (rss_end as f64 - rss_start as f64) / MIB as f64
         );
-        let _ = writeln!(csv, "payload,{size} added_p50_us,{added:.1},{reference:.1},{:.3}", added / reference);
-        let _ = writeln!(csv, "payload,{size} peak_rss_growth_bytes,{peak},{size},{:.3}", peak as f64 / size as f64);
+        let _ = writeln!(csv, "payload,rss_after_bytes,{rss_end},{rss_start},{:.3}", rss_end as f64 / rss_start as f64);
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_end = status_bytes(proc.pid(), "VmRSS");
-    println!(
-        "  Lattice RSS 2 s after the last query: {:.1} MiB ({:+.1} MiB from rest)",
-        rss_end as f64 / MIB as f64,
-        (rss_end as f64 - rss_start as f64) / MIB as f64
-    );
-    let _ = writeln!(csv, "payload,rss_after_bytes,{rss_end},{rss_start},{:.3}", rss_end as f64 / rss_start as f64);
     println!();
     println!("load average {} at the end; CSV in {csv_path}", loadavg());
     std::fs::write(&csv_path, csv).unwrap();
