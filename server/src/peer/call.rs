@@ -116,7 +116,9 @@ impl NotSent {
             if err.is::<tonic::ConnectError>() {
                 return Some(NotSent::Connect);
             }
-            if err.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_canceled) {
+            if err.is::<super::direct::NotWritten>()
+                || err.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_canceled)
+            {
                 return Some(NotSent::Closed);
             }
             if let Some(h2) = err.downcast_ref::<h2::Error>() {
@@ -249,8 +251,8 @@ impl tower::Service<http::Request<Body>> for Peer {
 }
 
 /// A copy of a request for one attempt.
-fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
-    let mut request = http::Request::new(Body::new(http_body_util::Full::new(body)));
+fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Bytes> {
+    let mut request = http::Request::new(body);
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = parts.uri.clone();
     *request.version_mut() = parts.version;
@@ -260,11 +262,12 @@ fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Body> {
 }
 
 /// One attempt on one address.
-async fn send(slot: &Arc<Slot>, request: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
+async fn send(slot: &Arc<Slot>, request: http::Request<Bytes>) -> Result<http::Response<Body>, BoxError> {
     let _load = Load::on(slot.clone());
     match &slot.calls {
         Calls::Direct(direct) => direct.send(request).await,
         Calls::Channel(channel) => {
+            let request = request.map(|body| Body::new(http_body_util::Full::new(body)));
             let channel = channel.clone().ready_oneshot().await?;
             Ok(channel.oneshot(request).await?)
         }

@@ -1,22 +1,54 @@
-//! A plaintext HTTP/2 connection to one `host:port`, called without a
-//! buffer task: a call's request goes from the caller's task straight to
-//! the connection's task (tonic's `Channel` puts a buffer task in between:
-//! one more thread hand-off per call on a multi-threaded runtime).
+//! A plaintext HTTP/2 connection to one `host:port`, driven from the
+//! caller's task.
+//!
+//! A call opens its stream, queues its headers and its whole body (one
+//! message, already encoded) and reads the response on the task that made
+//! it; only the connection's own task touches the socket, and it writes the
+//! headers and the body together. No task is spawned and no channel is
+//! crossed per call (a hyper client connection hands each request to the
+//! connection task over a channel, spawns a task for its response and
+//! writes the body separately; tonic's `Channel` adds a buffer task).
 //!
 //! The connection is made on the first call and made again once it has
 //! closed (the name is resolved at each connect, so behind a ClusterIP
-//! Service a new connection may reach another pod). A failure to connect is
-//! reported as [`tonic::ConnectError`], so that [`super::call`] knows that
-//! nothing was sent.
+//! Service a new connection may reach another pod). It is kept alive with
+//! PINGs every 20 s and closed when one is not answered within 10 s. A
+//! failure to connect is reported as [`tonic::ConnectError`], and a request
+//! the connection could not take as [`NotWritten`], so that [`super::call`]
+//! knows that nothing was sent.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
 
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use h2::{RecvStream, client::SendRequest};
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::net::TcpStream;
-use tonic::{body::Body, codegen::http};
+use tonic::{
+    body::Body,
+    codegen::{Bytes, http},
+};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Flow-control windows: large enough that a message of a few MiB is not
+/// held back by WINDOW_UPDATE round trips (hyper's client defaults).
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(20);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A request the connection did not take: it was closed or closing, so the
+/// request was never written.
+#[derive(Debug, thiserror::Error)]
+#[error("the connection could not take the request: {0}")]
+pub(crate) struct NotWritten(#[source] pub h2::Error);
 
 /// See the module docs.
 #[derive(Debug)]
@@ -24,8 +56,8 @@ pub(crate) struct Direct {
     /// `host:port`.
     authority: http::uri::Authority,
     connect_timeout: Duration,
-    /// The open connection's sender, if any.
-    open: std::sync::Mutex<Option<SendRequest<Body>>>,
+    /// The open connection's sender, and whether the connection has ended.
+    open: std::sync::Mutex<Option<(SendRequest<Bytes>, Arc<AtomicBool>)>>,
     /// Held while connecting, so that concurrent calls make one connection.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -42,22 +74,20 @@ impl Direct {
         }))
     }
 
-    /// The open connection's sender, if it can take a request.
-    async fn current(&self) -> Option<SendRequest<Body>> {
-        let open = self.open.lock().ok()?.as_ref().filter(|s| !s.is_closed()).cloned();
-        let mut sender = open?;
-        sender.ready().await.ok()?;
-        Some(sender)
+    /// The open connection's sender, if it is still open.
+    fn current(&self) -> Option<SendRequest<Bytes>> {
+        let open = self.open.lock().ok()?;
+        open.as_ref().filter(|(_, ended)| !ended.load(Ordering::Acquire)).map(|(s, _)| s.clone())
     }
 
-    /// A sender ready for a request: the open connection's, or a new one's.
-    async fn sender(&self) -> Result<SendRequest<Body>, BoxError> {
-        if let Some(s) = self.current().await {
+    /// A sender: the open connection's, or a new one's.
+    async fn sender(&self) -> Result<SendRequest<Bytes>, BoxError> {
+        if let Some(s) = self.current() {
             return Ok(s);
         }
         let _connecting = self.connecting.lock().await;
         // Another call may have connected meanwhile.
-        if let Some(s) = self.current().await {
+        if let Some(s) = self.current() {
             return Ok(s);
         }
         let connect = async {
@@ -74,21 +104,37 @@ impl Direct {
                 return Err(not_connected(e.into()));
             }
         };
-        let (mut sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .keep_alive_interval(Duration::from_secs(20))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true)
-            .handshake(TokioIo::new(stream))
+        let (sender, mut connection) = h2::client::Builder::new()
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .enable_push(false)
+            .handshake::<_, Bytes>(stream)
             .await
             .map_err(|e| not_connected(e.into()))?;
+        let mut ping = connection.ping_pong();
+        let ended = Arc::new(AtomicBool::new(false));
+        let ended_by_task = ended.clone();
         tokio::spawn(async move {
-            // Ends when the connection closes; its errors reach the calls.
-            let _ = connection.await;
+            // Ends when the connection closes (its errors reach the calls)
+            // or stops answering PINGs (dropping it closes the socket).
+            let keepalive = async {
+                let Some(ping) = ping.as_mut() else { return std::future::pending().await };
+                loop {
+                    tokio::time::sleep(KEEPALIVE_EVERY).await;
+                    match tokio::time::timeout(KEEPALIVE_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+                        Ok(Ok(_)) => {}
+                        _ => return,
+                    }
+                }
+            };
+            tokio::select! {
+                _ = &mut connection => {}
+                () = keepalive => {}
+            }
+            ended_by_task.store(true, Ordering::Release);
         });
-        sender.ready().await.map_err(|e| not_connected(e.into()))?;
         if let Ok(mut open) = self.open.lock() {
-            *open = Some(sender.clone());
+            *open = Some((sender.clone(), ended));
         }
         Ok(sender)
     }
@@ -101,14 +147,67 @@ impl Direct {
         }
     }
 
-    /// Sends one request (its URI a path) on the connection.
-    pub(crate) async fn send(&self, mut request: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
-        let mut parts = request.uri().clone().into_parts();
-        parts.scheme = Some(http::uri::Scheme::HTTP);
-        parts.authority = Some(self.authority.clone());
-        *request.uri_mut() = http::Uri::from_parts(parts)?;
-        let mut sender = self.sender().await?;
-        let response = sender.send_request(request).await?;
-        Ok(response.map(Body::new))
+    /// Sends one request (its URI a path; its body the whole message) on
+    /// the connection.
+    pub(crate) async fn send(&self, request: http::Request<Bytes>) -> Result<http::Response<Body>, BoxError> {
+        let (mut parts, body) = request.into_parts();
+        let mut uri = parts.uri.into_parts();
+        uri.scheme = Some(http::uri::Scheme::HTTP);
+        uri.authority = Some(self.authority.clone());
+        parts.uri = http::Uri::from_parts(uri)?;
+        let request = http::Request::from_parts(parts, ());
+        let sender = self.sender().await?;
+        // Waits while the connection is at the service's stream limit.
+        let mut sender = sender.ready().await.map_err(NotWritten)?;
+        let empty = body.is_empty();
+        let (response, mut stream) = sender.send_request(request, empty).map_err(NotWritten)?;
+        if !empty {
+            // Queued with the headers; the connection writes both at once.
+            stream.send_data(body, true)?;
+        }
+        let response = response.await?;
+        Ok(response.map(|recv| Body::new(Received { recv, data_done: false })))
+    }
+}
+
+/// A response body read on the caller's task: DATA frames (their window
+/// given back as they are read), then the trailers.
+#[derive(Debug)]
+struct Received {
+    recv: RecvStream,
+    data_done: bool,
+}
+
+impl HttpBody for Received {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let this = &mut *self;
+        if !this.data_done {
+            match this.recv.poll_data(cx) {
+                Poll::Ready(Some(Ok(data))) => {
+                    let _ = this.recv.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => this.data_done = true,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        match this.recv.poll_trailers(cx) {
+            Poll::Ready(Ok(Some(trailers))) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            Poll::Ready(Ok(None)) => Poll::Ready(None),
+            Poll::Ready(Err(e)) => Poll::Ready(Some(Err(e))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
     }
 }
