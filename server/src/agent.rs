@@ -22,7 +22,7 @@ use crate::{
         ToolResult, ToolUse, Usage, text_of,
     },
     hooks::{ChainError, HookChain, HookError, ToolCallView},
-    metrics::{Family, Metrics},
+    metrics::{CallMetric, Family, Metrics},
     model::{self, DeltaSink, Model, ModelError, ModelSetupError},
     tools::{AgentTools, Binding, CallOutcome, RawResult, ToolSetupError, call_remote},
     trace::{TraceEvent, Tracer},
@@ -167,12 +167,102 @@ pub struct AgentRuntime {
     tools: std::sync::OnceLock<AgentTools>,
     /// Its hook chain.
     pub hooks: HookChain,
+    /// Its metrics, made once (nothing is built per call).
+    pub metrics: AgentMetrics,
 }
 
 impl AgentRuntime {
     /// Its tools, if discovered yet.
     pub fn tools(&self) -> Option<&AgentTools> {
         self.tools.get()
+    }
+
+    /// Sets its tools, once discovered, with a call metric for each.
+    fn set_tools(&self, tools: AgentTools) {
+        let metric = |tool: &str| {
+            let labels = vec![("agent", self.def.name.clone()), ("tool", tool.to_owned())];
+            self.metrics.registry.call_metric(Family::ToolCalls, None, labels, TOOL_OUTCOMES)
+        };
+        let calls = tools.specs.iter().map(|s| (s.name.clone(), metric(&s.name))).collect();
+        let _ = self.metrics.tool_calls.set(calls);
+        let _ = self.tools.set(tools);
+    }
+}
+
+/// An agent's metrics (see [`Metrics::call_metric`]).
+#[derive(Debug)]
+pub struct AgentMetrics {
+    registry: Arc<Metrics>,
+    /// Queries by final status code, and their duration.
+    queries: Arc<CallMetric>,
+    /// Model requests by outcome, and their duration.
+    model: Arc<CallMetric>,
+    /// Tool calls by tool and outcome, once the tools are known.
+    tool_calls: std::sync::OnceLock<HashMap<String, Arc<CallMetric>>>,
+    /// Calls of tools the agent doesn't have (the model made them up).
+    unknown_tool: Arc<CallMetric>,
+}
+
+/// The codes a query metric counts itself (any other still counts).
+const QUERY_CODES: &[&str] = &[
+    "OK",
+    "CANCELLED",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "UNAVAILABLE",
+    "INTERNAL",
+];
+const MODEL_OUTCOMES: &[&str] = &[
+    "ok",
+    "deadline",
+    "cancelled",
+    "unavailable",
+    "unauthenticated",
+    "permission_denied",
+    "invalid_request",
+    "invalid_response",
+];
+const TOOL_OUTCOMES: &[&str] = &["executed", "failed", "blocked", "cancelled"];
+
+impl AgentMetrics {
+    fn new(registry: Arc<Metrics>, def: &AgentDef) -> Self {
+        let agent = || ("agent", def.name.clone());
+        let provider = ("provider", def.model.provider().to_owned());
+        let unknown = vec![agent(), ("tool", "(unknown)".to_owned())];
+        Self {
+            queries: registry.call_metric_as(
+                Family::Queries,
+                Some(Family::QueryDuration),
+                vec![agent()],
+                "code",
+                QUERY_CODES,
+            ),
+            model: registry.call_metric(
+                Family::ModelRequests,
+                Some(Family::ModelRequestDuration),
+                vec![agent(), provider],
+                MODEL_OUTCOMES,
+            ),
+            tool_calls: std::sync::OnceLock::new(),
+            unknown_tool: registry.call_metric(Family::ToolCalls, None, unknown, TOOL_OUTCOMES),
+            registry,
+        }
+    }
+
+    /// Records a query that ended with `code` after `took`.
+    pub fn query(&self, code: tonic::Code, took: Duration) {
+        self.queries.record(&self.registry, crate::status::code_name(code), took);
+    }
+
+    /// Counts a tool call by outcome; a name the agent doesn't have is
+    /// counted as `(unknown)`.
+    fn tool_call(&self, name: &str, outcome: CallOutcome) {
+        let metric = self.tool_calls.get().and_then(|m| m.get(name)).unwrap_or(&self.unknown_tool);
+        metric.add(&self.registry, outcome_name(outcome));
     }
 }
 
@@ -186,7 +276,7 @@ async fn discover_later(agent: std::sync::Weak<AgentRuntime>, settings: ServerSe
         match AgentTools::build(&runtime.def, &settings).await {
             Ok(tools) => {
                 info!(agent = %runtime.def.name, tools = tools.specs.len(), "agent ready: its tools answered");
-                let _ = runtime.tools.set(tools);
+                runtime.set_tools(tools);
                 return;
             }
             Err(e) => {
@@ -255,10 +345,10 @@ impl Runtime {
             // Start-up waits for the tool services up to
             // tool_discovery_timeout; one that hasn't answered by then no
             // longer stops the server: the agent is discovered later.
-            let tools = std::sync::OnceLock::new();
+            let mut tools = None;
             let discover_later_too = match AgentTools::build(def, &config.server).await {
                 Ok(found) => {
-                    let _ = tools.set(found);
+                    tools = Some(found);
                     false
                 }
                 Err(e @ ToolSetupError::Discovery { .. }) => {
@@ -270,7 +360,16 @@ impl Runtime {
             let chain: Vec<String> =
                 def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
             info!(agent = %def.name, model = %def.model.label(), hooks = ?chain, "agent set up");
-            let runtime = Arc::new(AgentRuntime { def: def.clone(), model: model::build(&def.model)?, tools, hooks });
+            let runtime = Arc::new(AgentRuntime {
+                def: def.clone(),
+                model: model::build(&def.model)?,
+                tools: std::sync::OnceLock::new(),
+                hooks,
+                metrics: AgentMetrics::new(metrics.clone(), def),
+            });
+            if let Some(tools) = tools {
+                runtime.set_tools(tools);
+            }
             if discover_later_too {
                 tokio::spawn(discover_later(Arc::downgrade(&runtime), config.server.clone()));
             }
@@ -404,9 +503,8 @@ impl Runtime {
         turn: u32,
         request: &ModelRequest,
     ) -> Result<AssistantReply, AgentError> {
-        let labels = vec![("agent", agent.def.name.clone()), ("provider", agent.def.model.provider().to_owned())];
         let deadline = ctx.scope.deadline;
-        let record = self.metrics.start_call(Family::ModelRequests, Family::ModelRequestDuration, labels, deadline);
+        let record = agent.metrics.model.start(&self.metrics, deadline);
         // The sink is inactive for delegated runs (no client to see it).
         let (delta_tx, mut delta_rx) = mpsc::unbounded_channel();
         let sink = if ctx.events.is_some() {
@@ -534,7 +632,6 @@ impl Runtime {
                         armed: true,
                         agent: agent.clone(),
                         tracer: self.tracer.clone(),
-                        metrics: self.metrics.clone(),
                         scope: ctx.scope.clone(),
                         call: call.clone(),
                         turn,
@@ -555,7 +652,7 @@ impl Runtime {
             }
         };
         check_deadline(ctx)?;
-        count_tool_call(&self.metrics, agent, &call.name, raw.outcome);
+        agent.metrics.tool_call(&call.name, raw.outcome);
         let view = ToolCallView {
             tool_name: &call.name,
             tool_use_id: &call.id,
@@ -650,21 +747,6 @@ fn as_request(messages: &[Message]) -> Vec<Message> {
     merged
 }
 
-/// Counts a tool call by outcome, before the hooks see its result. A name
-/// the agent doesn't have (the model made it up) is counted as `(unknown)`.
-fn count_tool_call(metrics: &Metrics, agent: &AgentRuntime, name: &str, outcome: CallOutcome) {
-    let known = agent.tools().is_some_and(|t| t.bindings.contains_key(name));
-    let tool = if known { name } else { "(unknown)" };
-    metrics.count(
-        Family::ToolCalls,
-        vec![
-            ("agent", agent.def.name.clone()),
-            ("tool", tool.to_owned()),
-            ("outcome", outcome_name(outcome).to_owned()),
-        ],
-    );
-}
-
 /// The outcome's name in traces and logs.
 pub fn outcome_name(o: CallOutcome) -> &'static str {
     match o {
@@ -683,7 +765,6 @@ struct CancelGuard {
     armed: bool,
     agent: Arc<AgentRuntime>,
     tracer: Tracer,
-    metrics: Arc<Metrics>,
     scope: Scope,
     call: ToolUse,
     turn: u32,
@@ -700,7 +781,7 @@ impl Drop for CancelGuard {
         if !self.armed {
             return;
         }
-        count_tool_call(&self.metrics, &self.agent, &self.call.name, CallOutcome::Cancelled);
+        self.agent.metrics.tool_call(&self.call.name, CallOutcome::Cancelled);
         if !self.agent.hooks.handles_tool_results() {
             return;
         }

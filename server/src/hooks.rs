@@ -262,7 +262,7 @@ impl HookChain {
                 );
                 let call_metrics = [HookEvent::ToolResult, HookEvent::ModelRequest].map(|e| {
                     let labels = vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("event", e.to_string())];
-                    metrics.call_metric(Family::HookCalls, Family::HookCallDuration, labels, OUTCOMES)
+                    metrics.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels, OUTCOMES)
                 });
                 Hook {
                     client: pb::hook_service_client::HookServiceClient::new(peer.clone())

@@ -124,18 +124,33 @@ impl Metrics {
 
     /// A call metric for one label set, updated without a lock (for the
     /// hot path: make it once, at start-up). `outcomes` are the outcomes it
-    /// counts itself; any other is counted through the registry.
+    /// counts itself; any other is counted through the registry. The
+    /// counter is labelled with `labels` and the outcome (as `outcome`);
+    /// the histogram, if any, with `labels`.
     pub fn call_metric(
         &self,
         counter: Family,
-        histogram: Family,
+        histogram: Option<Family>,
         labels: Labels,
+        outcomes: &'static [&'static str],
+    ) -> Arc<CallMetric> {
+        self.call_metric_as(counter, histogram, labels, "outcome", outcomes)
+    }
+
+    /// [`Metrics::call_metric`], with the outcome as label `outcome_label`.
+    pub fn call_metric_as(
+        &self,
+        counter: Family,
+        histogram: Option<Family>,
+        labels: Labels,
+        outcome_label: &'static str,
         outcomes: &'static [&'static str],
     ) -> Arc<CallMetric> {
         let metric = Arc::new(CallMetric {
             counter,
             histogram,
             labels,
+            outcome_label,
             outcomes,
             counts: outcomes.iter().map(|_| AtomicU64::new(0)).collect(),
             buckets: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -163,24 +178,6 @@ impl Metrics {
         }
     }
 
-    /// Records one call: its duration in `histogram` under `labels`, and
-    /// one more in `counter` under `labels` and its outcome.
-    pub fn call(&self, counter: Family, histogram: Family, labels: Labels, outcome: &str, took: Duration) {
-        let mut with_outcome = labels.clone();
-        with_outcome.push(("outcome", outcome.to_owned()));
-        self.observe(histogram, labels, took);
-        self.count(counter, with_outcome);
-    }
-
-    /// Starts timing one call (a hook RPC, a model request). It is recorded
-    /// by [`CallRecord::finish`] with its outcome or, if the call's future
-    /// is dropped first (an abort, a deadline cut), as `deadline` when
-    /// `deadline` has passed and `cancelled` otherwise.
-    pub fn start_call(&self, counter: Family, histogram: Family, labels: Labels, deadline: Instant) -> CallRecord<'_> {
-        let to = To::Registry { metrics: self, counter, histogram, labels };
-        CallRecord { to, done: false, started: Instant::now(), deadline }
-    }
-
     /// A query started; the guard counts it in flight until dropped.
     pub fn query_started(self: &Arc<Self>) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -201,13 +198,13 @@ impl Metrics {
                 let n = n.load(Ordering::Relaxed);
                 if n > 0 {
                     let mut labels = m.labels.clone();
-                    labels.push(("outcome", (*outcome).to_owned()));
+                    labels.push((m.outcome_label, (*outcome).to_owned()));
                     *counters.entry((m.counter, labels)).or_default() += n;
                 }
             }
             let count = m.count.load(Ordering::Relaxed);
-            if count > 0 {
-                let h = histograms.entry((m.histogram, m.labels.clone())).or_default();
+            if let (Some(histogram), true) = (m.histogram, count > 0) {
+                let h = histograms.entry((histogram, m.labels.clone())).or_default();
                 for (b, v) in h.buckets.iter_mut().zip(&m.buckets) {
                     *b += v.load(Ordering::Relaxed);
                 }
@@ -251,8 +248,9 @@ impl Metrics {
 #[derive(Debug)]
 pub struct CallMetric {
     counter: Family,
-    histogram: Family,
+    histogram: Option<Family>,
     labels: Labels,
+    outcome_label: &'static str,
     outcomes: &'static [&'static str],
     counts: Vec<AtomicU64>,
     buckets: [AtomicU64; BUCKETS.len()],
@@ -261,12 +259,16 @@ pub struct CallMetric {
 }
 
 impl CallMetric {
-    /// Starts timing one call; see [`Metrics::start_call`].
+    /// Starts timing one call (a hook RPC, a model request). It is
+    /// recorded by [`CallRecord::finish`] with its outcome or, if the
+    /// call's future is dropped first (an abort, a deadline cut), as
+    /// `deadline` when `deadline` has passed and `cancelled` otherwise.
     pub fn start<'a>(&'a self, metrics: &'a Metrics, deadline: Instant) -> CallRecord<'a> {
-        CallRecord { to: To::Handle(self, metrics), done: false, started: Instant::now(), deadline }
+        CallRecord { metric: self, metrics, done: false, started: Instant::now(), deadline }
     }
 
-    fn record(&self, metrics: &Metrics, outcome: &str, took: Duration) {
+    /// Records one call that took `took` and ended with `outcome`.
+    pub fn record(&self, metrics: &Metrics, outcome: &str, took: Duration) {
         let secs = took.as_secs_f64();
         for (bucket, le) in self.buckets.iter().zip(BUCKETS) {
             if secs <= le {
@@ -275,30 +277,29 @@ impl CallMetric {
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_ns.fetch_add(took.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.add(metrics, outcome);
+    }
+
+    /// Counts one more with `outcome` (no duration).
+    pub fn add(&self, metrics: &Metrics, outcome: &str) {
         match self.outcomes.iter().position(|o| *o == outcome) {
             Some(i) => {
                 self.counts[i].fetch_add(1, Ordering::Relaxed);
             }
             None => {
                 let mut labels = self.labels.clone();
-                labels.push(("outcome", outcome.to_owned()));
+                labels.push((self.outcome_label, outcome.to_owned()));
                 metrics.count(self.counter, labels);
             }
         }
     }
 }
 
-/// Where a [`CallRecord`] goes.
-#[derive(Debug)]
-enum To<'a> {
-    Registry { metrics: &'a Metrics, counter: Family, histogram: Family, labels: Labels },
-    Handle(&'a CallMetric, &'a Metrics),
-}
-
-/// One call being timed; see [`Metrics::start_call`].
+/// One call being timed; see [`CallMetric::start`].
 #[derive(Debug)]
 pub struct CallRecord<'a> {
-    to: To<'a>,
+    metric: &'a CallMetric,
+    metrics: &'a Metrics,
     /// Set once recorded, so that a call is recorded once.
     done: bool,
     started: Instant,
@@ -315,13 +316,7 @@ impl CallRecord<'_> {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        let took = self.started.elapsed();
-        match &mut self.to {
-            To::Registry { metrics, counter, histogram, labels } => {
-                metrics.call(*counter, *histogram, std::mem::take(labels), outcome, took);
-            }
-            To::Handle(metric, metrics) => metric.record(metrics, outcome, took),
-        }
+        self.metric.record(self.metrics, outcome, self.started.elapsed());
     }
 }
 
@@ -403,19 +398,42 @@ mod tests {
     fn call_metrics_render_with_the_registry() {
         let m = Metrics::default();
         let labels = || vec![("agent", "a".to_owned()), ("hook", "h".to_owned())];
-        let handle = m.call_metric(Family::HookCalls, Family::HookCallDuration, labels(), &["ok", "deadline"]);
+        let handle = m.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels(), &["ok", "deadline"]);
         let far = Instant::now() + Duration::from_secs(60);
         handle.start(&m, far).finish("ok");
         handle.start(&m, far).finish("ok");
         handle.start(&m, far).finish("unavailable");
         // Dropped unfinished before its deadline: cancelled.
         drop(handle.start(&m, far));
-        m.call(Family::HookCalls, Family::HookCallDuration, labels(), "ok", Duration::from_millis(3));
+        // The registry's own counts of the same labels are added in.
+        m.count(Family::HookCalls, vec![("agent", "a".to_owned()), ("hook", "h".to_owned()), ("outcome", "ok".into())]);
+        m.observe(Family::HookCallDuration, labels(), Duration::from_millis(3));
         let text = m.render();
         assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"ok\"} 3"), "{text}");
         assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"unavailable\"} 1"), "{text}");
         assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"cancelled\"} 1"), "{text}");
         assert!(text.contains("lattice_hook_call_duration_seconds_count{agent=\"a\",hook=\"h\"} 5"), "{text}");
         assert_eq!(text.matches("# TYPE lattice_hook_calls_total counter").count(), 1);
+    }
+
+    #[test]
+    fn call_metrics_take_their_outcome_label_and_may_have_no_histogram() {
+        let m = Metrics::default();
+        let agent = || vec![("agent", "a".to_owned())];
+        let queries = m.call_metric_as(Family::Queries, Some(Family::QueryDuration), agent(), "code", &["OK"]);
+        queries.record(&m, "OK", Duration::from_millis(30));
+        queries.record(&m, "DATA_LOSS", Duration::from_millis(1));
+        let tools = m.call_metric(Family::ToolCalls, None, vec![("tool", "t".to_owned())], &["executed"]);
+        tools.add(&m, "executed");
+        tools.add(&m, "blocked");
+        let text = m.render();
+        assert!(text.contains("lattice_queries_total{agent=\"a\",code=\"OK\"} 1"), "{text}");
+        assert!(text.contains("lattice_queries_total{agent=\"a\",code=\"DATA_LOSS\"} 1"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.025\"} 1"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_count{agent=\"a\"} 2"), "{text}");
+        assert!(text.contains("lattice_tool_calls_total{tool=\"t\",outcome=\"executed\"} 1"), "{text}");
+        assert!(text.contains("lattice_tool_calls_total{tool=\"t\",outcome=\"blocked\"} 1"), "{text}");
+        assert!(!text.contains("lattice_tool_calls_total_count"), "{text}");
+        assert_eq!(text.matches("# TYPE lattice_queries_total counter").count(), 1);
     }
 }

@@ -16,7 +16,6 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::{
     agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
     domain::Scope,
-    metrics::Family,
     peer,
     session::{SessionStore, StoreError},
     status,
@@ -301,12 +300,7 @@ impl AgentService for AgentSvc {
             let elapsed_ms = began.elapsed().as_millis() as u64;
             let failure = outcome.as_ref().err().map(status::agent_error);
             let code = failure.as_ref().map_or(tonic::Code::Ok, Status::code);
-            let metrics = &runtime.metrics;
-            metrics.observe(Family::QueryDuration, vec![("agent", agent.def.name.clone())], began.elapsed());
-            metrics.count(
-                Family::Queries,
-                vec![("agent", agent.def.name.clone()), ("code", status::code_name(code).into())],
-            );
+            agent.metrics.query(code, began.elapsed());
             match outcome {
                 Ok((out, result)) => {
                     let (text, stop_reason, turns, usage) = (out.text, out.stop_reason, out.turns, out.usage);
