@@ -120,6 +120,14 @@ impl fmt::Display for HookFailure {
         match self {
             HookFailure::Deadline => f.write_str("deadline exceeded"),
             HookFailure::Unavailable => f.write_str("unavailable"),
+            // What gRPC servers answer to a request over their receive
+            // limit (tonic: OUT_OF_RANGE; grpc-go, Python: RESOURCE_EXHAUSTED).
+            HookFailure::Status(c @ (Code::OutOfRange | Code::ResourceExhausted)) => write!(
+                f,
+                "returned status {}: the hook may have refused the request as larger than its message limit \
+                 (the Rust SDK's is LATTICE_HOOK_MAX_MESSAGE_BYTES)",
+                code_name(*c)
+            ),
             HookFailure::Status(c) => write!(f, "returned status {}", code_name(*c)),
             HookFailure::InvalidReply(why) => write!(f, "invalid reply: {why}"),
             HookFailure::RequestTooLarge { bytes, limit } => {

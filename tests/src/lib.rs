@@ -661,12 +661,18 @@ pub async fn wait_for_port(addr: SocketAddr, what: &str) {
 /// Starts a hook example binary (`redact`, `truncate`, `audit`) on a free
 /// port with extra arguments; returns its URL and the process.
 pub async fn start_example(name: &str, args: &[&str]) -> (String, Child) {
+    start_example_env(name, args, &[]).await
+}
+
+/// [`start_example`] with extra environment variables.
+pub async fn start_example_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> (String, Child) {
     let (l, addr) = bind().await;
     drop(l);
     let child = tokio::process::Command::new(workspace_binary(&format!("examples/{name}")))
         .arg("--listen")
         .arg(addr.to_string())
         .args(args)
+        .envs(env.iter().copied())
         .kill_on_drop(true)
         .stderr(std::process::Stdio::null())
         .spawn()

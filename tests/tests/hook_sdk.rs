@@ -112,3 +112,30 @@ async fn the_example_tools_drain_after_sigterm() {
     assert_eq!(exit.code(), Some(0));
     assert!(started.elapsed() >= Duration::from_millis(800), "exited before its drain: {:?}", started.elapsed());
 }
+
+/// A Rust SDK hook refuses a tool result over its message limit with the
+/// status tonic answers (OUT_OF_RANGE): the query aborts, kind `status`,
+/// and the error says the hook may have refused the request as too large
+/// (and how to raise the limit), without a byte of the result.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_refusing_a_request_as_too_large_is_named_so() {
+    use lattice_tests::{Lattice, assert_no_leak, canary, cfg, tool::ToolDef, tool::ToolServer};
+    let (url, _hook) =
+        lattice_tests::start_example_env("redact", &[], &[("LATTICE_HOOK_MAX_MESSAGE_BYTES", "4096")]).await;
+    let secret = canary();
+    let tools = ToolServer::start(vec![ToolDef::new("t", &format!("{secret} {}", "x".repeat(10_000)))]).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("{{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("redact", &url, &["tool_result"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    let meta = out.hook_failure();
+    assert_eq!(meta["kind"], "status");
+    assert_eq!(meta["code"], "OUT_OF_RANGE");
+    let message = out.status.as_ref().unwrap().message();
+    assert!(message.contains("larger than its message limit"), "{message}");
+    assert!(message.contains("LATTICE_HOOK_MAX_MESSAGE_BYTES"), "{message}");
+    assert_no_leak(&secret, &lattice, &out);
+}
