@@ -8,7 +8,8 @@
 //! decode answered INVALID_ARGUMENT.
 //!
 //! [`FILE_DESCRIPTOR_SET`] holds the encoded descriptors of all three, for
-//! server reflection.
+//! server reflection; [`ERROR_DETAILS_DESCRIPTOR_SET`] those of the standard
+//! `google.rpc` error details that Lattice's errors carry.
 #![allow(missing_docs, clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
 pub mod codec;
@@ -39,6 +40,11 @@ pub mod tools {
 
 /// The encoded `FileDescriptorSet` of the whole contract (for reflection).
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("lattice_descriptor");
+
+/// The encoded `FileDescriptorSet` of `google/rpc/status.proto` and
+/// `google/rpc/error_details.proto` (for reflection: grpcurl decodes a
+/// HOOK_FAILED `ErrorInfo` with it).
+pub const ERROR_DETAILS_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("error_details_descriptor");
 
 /// Re-exported so that users of the generated types need no direct dependency.
 pub use prost_types;

