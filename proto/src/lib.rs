@@ -48,3 +48,29 @@ pub const ERROR_DETAILS_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_s
 
 /// Re-exported so that users of the generated types need no direct dependency.
 pub use prost_types;
+
+#[cfg(test)]
+mod tests {
+    use prost::Message as _;
+
+    /// Every file of the contract names its Go package (protoc-gen-go
+    /// refuses a file without one), and the error details are served.
+    #[test]
+    fn every_contract_file_has_a_go_package() {
+        let set = prost_types::FileDescriptorSet::decode(super::FILE_DESCRIPTOR_SET).unwrap();
+        let ours: Vec<_> = set.file.iter().filter(|f| f.package().starts_with("lattice.")).collect();
+        assert_eq!(ours.len(), 4);
+        for f in ours {
+            let go = f.options.as_ref().map(|o| o.go_package()).unwrap_or_default();
+            assert!(go.starts_with("lattice.dev/proto/lattice/"), "{}: {go:?}", f.name());
+        }
+        let errors = prost_types::FileDescriptorSet::decode(super::ERROR_DETAILS_DESCRIPTOR_SET).unwrap();
+        let error_info = errors
+            .file
+            .iter()
+            .filter(|f| f.package() == "google.rpc")
+            .flat_map(|f| &f.message_type)
+            .find(|m| m.name() == "ErrorInfo");
+        assert!(error_info.is_some());
+    }
+}
