@@ -73,10 +73,22 @@ async fn grpcurl_lists_describes_queries_and_checks_health() {
     }
     let hooks = grpcurl(&["-plaintext", &addr, "describe", "lattice.hooks.v1.HookService"]);
     assert!(hooks.contains("rpc OnToolResult") && hooks.contains("rpc OnModelRequest"), "{hooks}");
-    assert!(
-        hooks.contains("Implement the events your hook is registered for"),
-        "service comments reach describe:\n{hooks}"
-    );
+    // The contract is where describe shows it: order, deadline, fail-closed,
+    // empty reply keeps, the retry rule, readiness.
+    for words in [
+        "Implement the events your hook is registered for",
+        "Hooks are called in registered order",
+        "Each call has a strict deadline",
+        "Any failure of a hook call aborts the whole query",
+        "An empty reply therefore changes nothing",
+        "transparent retry",
+        "grpc.health.v1 Check",
+        "A replacement\n  // must keep the tool_use_id",
+    ] {
+        assert!(hooks.contains(words), "{words:?} not in describe:\n{hooks}");
+    }
+    let agents = grpcurl(&["-plaintext", &addr, "describe", "lattice.agent.v1.AgentService"]);
+    assert!(agents.contains("ErrorInfo reason HOOK_FAILED"), "{agents}");
     let tools = grpcurl(&["-plaintext", &addr, "describe", "lattice.tools.v1.ToolService"]);
     assert!(tools.contains("rpc CallTool"), "{tools}");
     let reply = grpcurl(&["-plaintext", &addr, "describe", "lattice.hooks.v1.OnModelRequestResponse"]);
