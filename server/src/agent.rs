@@ -21,51 +21,13 @@ use crate::{
         AssistantReply, Block, Message, ModelRequest, ResultSource, Role, Scope, Step, StopReason, ToolErrorKind,
         ToolResult, ToolUse, Usage, text_of,
     },
+    events::{Event, EventTx},
     hooks::{ChainError, HookChain, HookError, ToolCallView},
     metrics::{CallMetric, Family, Metrics},
     model::{self, DeltaSink, Model, ModelError, ModelSetupError},
     tools::{AgentTools, Binding, CallOutcome, RawResult, ToolSetupError, call_remote},
     trace::{TraceEvent, Tracer},
 };
-
-/// What a query streams, in order (domain form; the service converts).
-#[derive(Debug, Clone)]
-pub enum Event {
-    /// A model request as sent (after the hooks).
-    ModelRequest {
-        /// 1-based turn.
-        turn: u32,
-        /// The request.
-        request: ModelRequest,
-    },
-    /// A piece of assistant text as it streams from the model.
-    TextDelta {
-        /// 1-based turn.
-        turn: u32,
-        /// The text to append.
-        text: String,
-    },
-    /// The model's reply.
-    Assistant {
-        /// 1-based turn.
-        turn: u32,
-        /// Its content.
-        content: Vec<Block>,
-    },
-    /// A tool result as the model will see it (after the hooks).
-    ToolResult {
-        /// 1-based turn.
-        turn: u32,
-        /// The tool.
-        tool_name: String,
-        /// The result.
-        result: ToolResult,
-        /// How the call went.
-        outcome: CallOutcome,
-        /// Call plus hooks.
-        duration: Duration,
-    },
-}
 
 /// Why a run failed.
 #[derive(Debug, thiserror::Error)]
@@ -136,17 +98,18 @@ pub struct RunCtx {
     pub depth: u32,
     /// Where events go (`None` for delegated runs: only their final text
     /// reaches the parent, as a tool result).
-    pub events: Option<mpsc::Sender<Event>>,
+    pub events: Option<EventTx>,
     /// Stream model requests too.
     pub include_model_requests: bool,
 }
 
 impl RunCtx {
-    async fn send(&self, event: Event) {
-        if let Some(tx) = &self.events {
-            // A closed channel means the client is gone; the service notices
-            // that and drops this run, so the error is of no use here.
-            let _ = tx.send(event).await;
+    /// Sends an event to the client, if there is one. An event too large
+    /// for the client fails the run.
+    async fn send(&self, event: Event<'_>) -> Result<(), AgentError> {
+        match &self.events {
+            Some(tx) => tx.send(event).await,
+            None => Ok(()),
         }
     }
 
@@ -446,7 +409,7 @@ impl Runtime {
             let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
             self.tracer.emit(scope, TraceEvent::ModelRequest { turn, request: &request }).await;
             if ctx.include_model_requests {
-                ctx.send(Event::ModelRequest { turn, request: request.clone() }).await;
+                ctx.send(Event::ModelRequest { turn, request: &request }).await?;
             }
             let reply = self.call_model(agent, ctx, turn, &request).await?;
             drop(request);
@@ -463,7 +426,7 @@ impl Runtime {
                     },
                 )
                 .await;
-            ctx.send(Event::Assistant { turn, content: reply.content.clone() }).await;
+            ctx.send(Event::Assistant { turn, content: &reply.content }).await?;
             last_text = text_of(&reply.content);
             let uses: Vec<ToolUse> = reply.tool_uses().cloned().collect();
             for u in &uses {
@@ -517,13 +480,15 @@ impl Runtime {
         let complete = agent.model.complete(request, ctx.step(turn), sink);
         let forward = async {
             while let Some(text) = delta_rx.recv().await {
-                ctx.send(Event::TextDelta { turn, text }).await;
+                ctx.send(Event::TextDelta { turn, text }).await?;
             }
+            Ok::<_, AgentError>(())
         };
         // On the deadline the record is dropped unfinished: counted as such.
-        let (reply, ()) = tokio::time::timeout_at(deadline, async { tokio::join!(complete, forward) })
+        let (reply, forwarded) = tokio::time::timeout_at(deadline, async { tokio::join!(complete, forward) })
             .await
             .map_err(|_| AgentError::DeadlineExceeded)?;
+        forwarded?;
         match reply {
             // The model gave up as the query's deadline passed.
             Err(_) if Instant::now() >= deadline => Err(AgentError::DeadlineExceeded),
@@ -566,7 +531,7 @@ impl Runtime {
         while let Some(done) = ordered.next().await {
             let (result, outcome, duration) = done?;
             let call = &uses[results.len()];
-            self.release_result(agent, ctx, turn, call, &result, outcome, duration).await;
+            self.release_result(agent, ctx, turn, call, &result, outcome, duration).await?;
             results.push(result);
         }
         Ok(results)
@@ -583,14 +548,13 @@ impl Runtime {
         result: &ToolResult,
         outcome: CallOutcome,
         duration: Duration,
-    ) {
+    ) -> Result<(), AgentError> {
         let outcome_name = outcome_name(outcome);
         self.tracer
             .emit(&ctx.scope, TraceEvent::ToolResult { turn, tool_name: &call.name, result, outcome: outcome_name })
             .await;
         debug!(agent = %agent.def.name, turn, tool = %call.name, tool_use_id = %call.id, outcome = outcome_name, bytes = result.len(), is_error = result.is_error, elapsed_ms = duration.as_millis() as u64, "tool result");
-        ctx.send(Event::ToolResult { turn, tool_name: call.name.clone(), result: result.clone(), outcome, duration })
-            .await;
+        ctx.send(Event::ToolResult { turn, tool_name: &call.name, result, outcome, duration }).await
     }
 
     /// One tool call and its OnToolResult chain.

@@ -14,12 +14,13 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::{
-    agent::{AgentError, AgentRuntime, Event, RunCtx, Runtime},
+    agent::{AgentError, AgentRuntime, RunCtx, Runtime},
     domain::Scope,
+    events::{self, EventTx, Out},
     peer,
     session::{SessionStore, StoreError},
     status,
-    tools::{Binding, CallOutcome},
+    tools::Binding,
     trace::TraceEvent,
 };
 
@@ -68,58 +69,6 @@ fn plausible_session_id(id: &str) -> bool {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::QueryEvent, Status>> + Send>>;
-
-/// What the driver task sends to the response stream.
-enum Out {
-    Event(PbEvent),
-    Fail(Status),
-}
-
-fn event_to_pb(e: Event) -> PbEvent {
-    match e {
-        Event::ModelRequest { turn, request } => {
-            PbEvent::ModelRequest(pb::ModelRequestEvent { turn, ..(&request).into() })
-        }
-        Event::TextDelta { turn, text } => PbEvent::TextDelta(pb::TextDelta { turn, text }),
-        Event::Assistant { turn, content } => PbEvent::Assistant(pb::AssistantMessageEvent {
-            turn,
-            message: Some(pb::Message {
-                role: pb::Role::Assistant as i32,
-                content: content.iter().map(Into::into).collect(),
-            }),
-        }),
-        Event::ToolResult { turn, tool_name, result, outcome, duration } => PbEvent::ToolResult(pb::ToolResultEvent {
-            turn,
-            tool_name,
-            result: Some((&result).into()),
-            outcome: match outcome {
-                CallOutcome::Executed => pb::ToolCallOutcome::Executed,
-                CallOutcome::Failed | CallOutcome::Cancelled => pb::ToolCallOutcome::Failed,
-                CallOutcome::Blocked => pb::ToolCallOutcome::Blocked,
-            } as i32,
-            duration_ms: duration.as_millis() as u64,
-        }),
-    }
-}
-
-/// `event`, unless its encoded size is over `limit` (what the client may be
-/// sent in one message).
-fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
-    let name = match &event {
-        PbEvent::Started(_) => "started",
-        PbEvent::ModelRequest(_) => "model_request",
-        PbEvent::Assistant(_) => "assistant",
-        PbEvent::ToolResult(_) => "tool_result",
-        PbEvent::Result(_) => "result",
-        PbEvent::TextDelta(_) => "text_delta",
-    };
-    let event = pb::QueryEvent { event: Some(event) };
-    let bytes = prost::Message::encoded_len(&event);
-    match event.event {
-        Some(event) if bytes <= limit => Ok(event),
-        _ => Err(AgentError::EventTooLarge { event: name, bytes, limit }),
-    }
-}
 
 fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
     let d = &a.def;
@@ -214,8 +163,8 @@ impl AgentService for AgentSvc {
         debug!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
 
         let (out_tx, out_rx) = mpsc::channel::<Out>(32);
-        let (ev_tx, mut ev_rx) = mpsc::channel::<Event>(32);
         let runtime = self.runtime.clone();
+        let limit = runtime.settings.max_message_bytes;
         let scope = Scope {
             agent: agent.def.name.clone(),
             session_id: session_id.clone(),
@@ -225,7 +174,7 @@ impl AgentService for AgentSvc {
         let ctx = RunCtx {
             scope: scope.clone(),
             depth: 0,
-            events: Some(ev_tx),
+            events: Some(EventTx::new(out_tx.clone(), limit)),
             include_model_requests: req.include_model_requests,
         };
         let started = pb::QueryStarted { query_id, session_id: session_id.clone(), agent: agent.def.name.clone() };
@@ -237,50 +186,28 @@ impl AgentService for AgentSvc {
             // The loop owns the history from here (no copy of it is kept).
             let history = std::mem::take(&mut lease.session.messages);
             let stored = history.len();
+            // The loop queues its events on the response stream itself, each
+            // checked against the client's limit: an event too large fails
+            // the query (before anything is committed) instead of breaking
+            // the stream. The loop future and everything in flight under it
+            // are dropped on cancel, deadline or a lost lease.
             let run = runtime.run(&agent, &ctx, history, req.prompt);
-            // Events are forwarded while the loop runs; the loop future and
-            // everything in flight under it are dropped on cancel/deadline.
-            // An event too large for the client fails the query (before
-            // anything is committed) instead of breaking the stream.
-            let limit = runtime.settings.max_message_bytes;
-            let forward = async {
-                while let Some(e) = ev_rx.recv().await {
-                    let event = sized(event_to_pb(e), limit)?;
-                    if out_tx.send(Out::Event(event)).await.is_err() {
-                        return Err(AgentError::Cancelled);
-                    }
-                }
-                Ok(())
-            };
-            let mut forward = std::pin::pin!(forward);
             let began = Instant::now();
-            let mut forwarded = None;
             let outcome = tokio::select! {
                 r = tokio::time::timeout_at(deadline + DEADLINE_GRACE, run) => r.unwrap_or(Err(AgentError::DeadlineExceeded)),
                 _ = out_tx.closed() => Err(AgentError::Cancelled),
                 () = lease.lost() => Err(AgentError::Store(StoreError::LeaseLost)),
-                f = &mut forward => {
-                    // Only a failure ends it while the loop still holds a sender.
-                    let e = f.err().unwrap_or(AgentError::Cancelled);
-                    forwarded = Some(Err(AgentError::Cancelled));
-                    Err(e)
-                }
             };
-            drop(ctx); // the last event sender: lets `forward` finish
-            // Flush events sent before the outcome; any of them may fail it.
-            let flushed = match forwarded {
-                Some(done) => done,
-                None => forward.await,
-            };
+            drop(ctx);
             // The final result is built and checked before the commit too.
-            let outcome = outcome.and_then(|out| flushed.map(|()| out)).and_then(|out| {
+            let outcome = outcome.and_then(|out| {
                 let result = pb::FinalResult {
                     text: out.text.clone(),
                     stop_reason: pb::StopReason::from(out.stop_reason) as i32,
                     turns: out.turns,
                     usage: Some(out.usage.into()),
                 };
-                Ok((out, sized(PbEvent::Result(result), limit)?))
+                Ok((out, events::sized(PbEvent::Result(result), limit)?))
             });
             // Committed, and the session released, before the client sees
             // the result: its next query finds the session free. A commit
