@@ -127,8 +127,13 @@ pub async fn run(
         .build_v1alpha()?;
 
     let addr = listener.local_addr().ok();
-    let worker_threads = tokio::runtime::Handle::current().metrics().num_workers();
-    info!(addr = ?addr, agents = config.agents.len(), worker_threads, "serving");
+    let handle = tokio::runtime::Handle::current();
+    let worker_threads = handle.metrics().num_workers();
+    let runtime = match handle.runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
+        _ => "multi_thread",
+    };
+    info!(addr = ?addr, agents = config.agents.len(), worker_threads, runtime, "serving");
     let drain = config.server.drain;
     let shutdown = async move {
         shutdown.await;

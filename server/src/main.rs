@@ -100,10 +100,17 @@ fn main() -> ExitCode {
             }
         }
     }
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = workers {
-        runtime.worker_threads(n);
-    }
+    // One worker: a current-thread runtime (no work-stealing machinery to
+    // pay for); otherwise a worker per core unless set.
+    let mut runtime = match workers {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     match runtime.enable_all().build() {
         Ok(rt) => rt.block_on(run_command(cli, loaded)),
         Err(e) => {

@@ -753,14 +753,16 @@ async fn agents_and_sessions_can_be_inspected() {
 }
 
 /// `server.worker_threads` sets how many runtime worker threads
-/// `lattice serve` runs (one keeps each query's work on one thread).
+/// `lattice serve` runs; with 1, the runtime is a current-thread one (all
+/// work on one thread, no work stealing).
 #[tokio::test(flavor = "multi_thread")]
 async fn worker_threads_sets_the_runtime_size() {
     let agent = cfg::agent("a", "") + &cfg::turn("hi", &[]);
-    for n in [1usize, 3] {
+    for (n, flavor) in [(1usize, "current_thread"), (3, "multi_thread")] {
         let lattice = Lattice::spawn(&(format!("[server]\nworker_threads = {n}\n") + &agent), &[]).await;
         assert_eq!(lattice.query("a", "hello").await.ok().text, "hi");
         let logs = lattice.process_logs();
         assert!(logs.contains(&format!("\"worker_threads\":{n}")), "{logs}");
+        assert!(logs.contains(&format!("\"runtime\":\"{flavor}\"")), "{logs}");
     }
 }
