@@ -92,6 +92,19 @@ fn render(template: &str, req: &ModelRequest, turn: u32) -> String {
     out
 }
 
+/// The text in some blocks, in bytes (texts, tool results, tool names):
+/// counted, not copied, for the usage figures.
+fn text_bytes(blocks: &[Block]) -> usize {
+    blocks
+        .iter()
+        .map(|b| match b {
+            Block::Text { text } => text.len(),
+            Block::ToolResult(r) => r.len(),
+            Block::ToolUse(u) => u.name.len(),
+        })
+        .sum()
+}
+
 /// About four bytes a token: deterministic figures for the usage fields.
 fn tokens(bytes: usize) -> u64 {
     bytes.div_ceil(4) as u64
@@ -138,8 +151,8 @@ impl Model for Scripted {
                 })
             }
         };
-        let in_bytes = serde_json::to_vec(request).map(|v| v.len()).unwrap_or(0);
-        let out_bytes = serde_json::to_vec(&content).map(|v| v.len()).unwrap_or(0);
+        let in_bytes = request.system.len() + request.messages.iter().map(|m| text_bytes(&m.content)).sum::<usize>();
+        let out_bytes = text_bytes(&content);
         Ok(AssistantReply {
             content,
             stop_reason,
