@@ -30,6 +30,7 @@ pub mod domain;
 pub mod events;
 pub mod example_tools;
 pub mod health;
+pub mod hookcheck;
 pub mod hooks;
 pub mod logging;
 pub mod metrics;

@@ -4,7 +4,7 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use lattice_server::{client, config, example_tools, logging, run, shutdown_signal};
+use lattice_server::{client, config, example_tools, hookcheck, logging, peer::Tls, run, shutdown_signal};
 use tokio::net::TcpListener;
 
 /// EX_USAGE: the config (or the command line) is wrong.
@@ -63,6 +63,11 @@ enum Command {
         /// The prompt.
         prompt: String,
     },
+    /// Tools for hook authors.
+    Hook {
+        #[command(subcommand)]
+        command: HookCommand,
+    },
     /// Serve the example customer-lookup tool service.
     ExampleTools {
         /// Listen address.
@@ -72,6 +77,45 @@ enum Command {
         /// that a rolling update loses no call.
         #[arg(long, default_value_t = 6000)]
         drain_ms: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum HookCommand {
+    /// Check that a hook service honours the contract: health, reflection,
+    /// every kind of call for its events, deadlines, large and concurrent
+    /// calls. Prints PASS/WARN/FAIL per check; exits 1 on any FAIL.
+    Check {
+        /// The hook: host:port, http://host:port, https://host:port or
+        /// dns:///host:port.
+        addr: String,
+        /// The events the hook is registered for.
+        #[arg(long, value_delimiter = ',', default_value = "tool_result,model_request")]
+        events: Vec<String>,
+        /// Each call's deadline: the hook's deadline_ms in Lattice's config.
+        #[arg(long, default_value_t = 1000)]
+        deadline_ms: u64,
+        /// Lattice's server.hook_max_message_bytes.
+        #[arg(long, default_value_t = 16 * 1024 * 1024)]
+        max_message_bytes: usize,
+        /// Calls at once in the concurrency check.
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+        /// CA certificate(s) (PEM) that sign the hook's certificate (TLS).
+        #[arg(long)]
+        ca_file: Option<PathBuf>,
+        /// Client certificate (PEM) for mutual TLS, with --key-file.
+        #[arg(long, requires = "key_file")]
+        cert_file: Option<PathBuf>,
+        /// Client private key (PEM) for mutual TLS.
+        #[arg(long, requires = "cert_file")]
+        key_file: Option<PathBuf>,
+        /// The name the hook's certificate must carry (TLS).
+        #[arg(long)]
+        server_name: Option<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -180,6 +224,76 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 Err(e) => {
                     eprintln!("lattice query: {e}");
                     ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Hook {
+            command:
+                HookCommand::Check {
+                    addr,
+                    events,
+                    deadline_ms,
+                    max_message_bytes,
+                    concurrency,
+                    ca_file,
+                    cert_file,
+                    key_file,
+                    server_name,
+                    json,
+                },
+        } => {
+            let read = |path: &PathBuf| std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()));
+            let tls = (|| -> Result<Option<Tls>, String> {
+                if ca_file.is_none() && cert_file.is_none() && server_name.is_none() {
+                    return Ok(None);
+                }
+                let identity = match (&cert_file, &key_file) {
+                    (Some(c), Some(k)) => Some((read(c)?, read(k)?)),
+                    _ => None,
+                };
+                Ok(Some(Tls { ca_pem: ca_file.as_ref().map(read).transpose()?, identity, server_name }))
+            })();
+            let tls = match tls {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("lattice hook check: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            let endpoint = if addr.contains("://") {
+                addr
+            } else if tls.is_some() {
+                format!("https://{addr}")
+            } else {
+                format!("http://{addr}")
+            };
+            let unknown: Vec<&String> =
+                events.iter().filter(|e| !matches!(e.as_str(), "tool_result" | "model_request")).collect();
+            if !unknown.is_empty() || events.is_empty() {
+                eprintln!("lattice hook check: --events takes tool_result and/or model_request (got {events:?})");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            let options = hookcheck::Options {
+                endpoint,
+                tls,
+                tool_result: events.iter().any(|e| e == "tool_result"),
+                model_request: events.iter().any(|e| e == "model_request"),
+                deadline: Duration::from_millis(deadline_ms.max(1)),
+                max_message_bytes,
+                concurrency: concurrency.max(1),
+            };
+            match hookcheck::run(&options).await {
+                Ok(report) => {
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+                    } else {
+                        print!("{}", report.table());
+                    }
+                    if report.failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+                }
+                Err(e) => {
+                    eprintln!("lattice hook check: {e}");
+                    ExitCode::from(EXIT_CONFIG)
                 }
             }
         }

@@ -1,0 +1,159 @@
+//! `lattice hook check` against real hook services: the shipped examples
+//! pass every check; deliberately broken hooks fail the right checks, for
+//! the right reason.
+
+use std::time::Duration;
+
+use lattice_tests::{
+    hook::{Behaviour, HookServer, OnRequest, OnResult},
+    start_example, start_python_hook, workspace_binary,
+};
+use serde_json::Value;
+use tonic::Code;
+
+/// Runs the checker; returns whether it exited 0 and its JSON report.
+async fn check(addr: &str, args: &[&str]) -> (bool, Value) {
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["hook", "check", addr, "--json", "--max-message-bytes", "4194304"])
+        .args(args)
+        .output()
+        .await
+        .expect("the lattice binary (cargo build --workspace --bins)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.success(), report)
+}
+
+/// The verdict and detail of one check.
+fn finding<'a>(report: &'a Value, check: &str) -> (&'a str, &'a str) {
+    let f = report["checks"]
+        .as_array()
+        .and_then(|c| c.iter().find(|f| f["check"] == check))
+        .unwrap_or_else(|| panic!("no check {check} in {report:#}"));
+    (f["result"].as_str().unwrap(), f["detail"].as_str().unwrap())
+}
+
+fn failed(report: &Value) -> Vec<String> {
+    report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["result"] == "FAIL")
+        .map(|f| f["check"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The Rust examples (redact for tool results, truncate for model
+/// requests) and the Python example pass every check of their events.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_example_hooks_pass_every_check() {
+    let (redact, _r) = start_example("redact", &[]).await;
+    let (ok, report) = check(&redact, &["--events", "tool_result"]).await;
+    assert!(ok, "{report:#}");
+    assert_eq!(report["failed"], 0, "{report:#}");
+    assert_eq!(report["warnings"], 0, "{report:#}");
+    assert_eq!(finding(&report, "health").0, "PASS");
+    assert_eq!(finding(&report, "tool_result/cancelled").0, "PASS");
+    assert!(report["checks"].as_array().unwrap().iter().all(|f| !f["check"].as_str().unwrap().starts_with("model")));
+
+    let (truncate, _t) = start_example("truncate", &["--keep-last", "2"]).await;
+    let (ok, report) = check(&truncate, &["--events", "model_request"]).await;
+    assert!(ok, "{report:#}");
+    // The long conversation is cut to its last messages: still valid.
+    let (verdict, detail) = finding(&report, "model_request/long_conversation");
+    assert_eq!((verdict, detail.starts_with("replaced messages")), ("PASS", true), "{detail}");
+
+    let (python, _p) = start_python_hook().await;
+    let (ok, report) = check(&python, &["--events", "tool_result"]).await;
+    assert!(ok, "{report:#}");
+    assert_eq!(report["warnings"], 0, "{report:#}");
+}
+
+/// A hook without grpc.health.v1 or reflection (the test hook serves
+/// neither): health FAILs, reflection only WARNs; the calls pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_without_health_fails_and_without_reflection_warns() {
+    let hook = HookServer::start(Behaviour::default()).await;
+    let (ok, report) = check(&hook.url, &[]).await;
+    assert!(!ok);
+    assert_eq!(failed(&report), ["health"], "{report:#}");
+    assert!(finding(&report, "health").1.contains("no grpc.health.v1"));
+    assert_eq!(finding(&report, "reflection").0, "WARN");
+    assert_eq!(finding(&report, "tool_result/concurrent").0, "PASS");
+}
+
+/// A replacement with another tool_use_id fails every tool_result call.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_that_changes_the_tool_use_id_fails() {
+    let hook = HookServer::start(Behaviour { on_result: OnResult::WrongId, ..Default::default() }).await;
+    let (ok, report) = check(&hook.url, &["--events", "tool_result"]).await;
+    assert!(!ok);
+    for kind in ["executed", "failed", "blocked", "cancelled"] {
+        let (verdict, detail) = finding(&report, &format!("tool_result/{kind}"));
+        assert_eq!(verdict, "FAIL");
+        assert!(detail.contains("tool_use_id"), "{detail}");
+    }
+}
+
+/// A replacement whose tool_use is never answered breaks the pairing rules.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_that_breaks_pairing_fails() {
+    let hook = HookServer::start(Behaviour { on_request: OnRequest::Dangling, ..Default::default() }).await;
+    let (ok, report) = check(&hook.url, &["--events", "model_request"]).await;
+    assert!(!ok);
+    let (verdict, detail) = finding(&report, "model_request/first_turn");
+    assert_eq!(verdict, "FAIL");
+    assert!(detail.contains("invalid replacement messages"), "{detail}");
+}
+
+/// UNIMPLEMENTED for a registered event: every query would abort.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_answering_unimplemented_fails() {
+    let hook = HookServer::start(Behaviour { fail: Some(Code::Unimplemented), ..Default::default() }).await;
+    let (ok, report) = check(&hook.url, &["--events", "model_request"]).await;
+    assert!(!ok);
+    let (verdict, detail) = finding(&report, "model_request/first_turn");
+    assert_eq!(verdict, "FAIL");
+    assert!(detail.contains("UNIMPLEMENTED: every query that reaches this event would abort"), "{detail}");
+}
+
+/// A slow hook that ignores grpc-timeout answers OK late: FAIL. The same
+/// slowness behind a server that stops at the deadline passes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_that_ignores_grpc_timeout_fails() {
+    let slow = || Behaviour { delay: Duration::from_millis(300), ..Default::default() };
+    let ignoring = HookServer::start_ignoring_deadlines(slow()).await;
+    let (ok, report) = check(&ignoring.url, &["--events", "tool_result"]).await;
+    assert!(!ok);
+    let (verdict, detail) = finding(&report, "tool_result/grpc_timeout");
+    assert_eq!(verdict, "FAIL");
+    assert!(detail.contains("does not stop at the deadline"), "{detail}");
+    // Its other calls are answered within the 1 s deadline.
+    assert_eq!(finding(&report, "tool_result/executed").0, "PASS");
+
+    let honouring = HookServer::start(slow()).await;
+    let (_, report) = check(&honouring.url, &["--events", "tool_result"]).await;
+    let (verdict, detail) = finding(&report, "tool_result/grpc_timeout");
+    assert_eq!(verdict, "PASS", "{detail}");
+    assert!(detail.contains("at its 50.0 ms deadline"), "{detail}");
+}
+
+/// A hook slower than its deadline fails the calls; a bad address is a
+/// usage error (exit 64), not a report.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_slower_than_its_deadline_fails_and_a_bad_address_is_refused() {
+    let hook = HookServer::start(Behaviour { delay: Duration::from_millis(400), ..Default::default() }).await;
+    let (ok, report) = check(&hook.url, &["--events", "tool_result", "--deadline-ms", "200"]).await;
+    assert!(!ok);
+    let (verdict, detail) = finding(&report, "tool_result/executed");
+    assert_eq!(verdict, "FAIL");
+    assert!(detail.contains("no answer within the deadline"), "{detail}");
+
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["hook", "check", "ftp://nowhere:1"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
+}
