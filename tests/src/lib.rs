@@ -735,6 +735,48 @@ pub async fn start_python_hook_with(args: &[&str]) -> (String, Child) {
     (format!("{scheme}://127.0.0.1:{port}"), Child(child))
 }
 
+/// Builds the Go example hook (`hook-sdk/examples/go/build.sh`, from the
+/// .proto and Debian's Go packages; once per test process) and starts it on
+/// a free loopback port with extra arguments; returns its URL and process.
+pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    let binary = BUILT
+        .get_or_init(|| async {
+            let out = temp_dir("gohook").join("redact-hook");
+            let build = tokio::process::Command::new("bash")
+                .arg(workspace_root().join("hook-sdk/examples/go/build.sh"))
+                .arg(&out)
+                .output()
+                .await
+                .expect("bash");
+            assert!(
+                build.status.success(),
+                "building the Go example failed (.ci/run installs golang-go, golang-google-grpc-dev, \
+                 golang-github-golang-protobuf-1-5-dev, golang-google-protobuf-dev, protobuf-compiler, \
+                 protoc-gen-go, protoc-gen-go-grpc):\n{}",
+                String::from_utf8_lossy(&build.stderr)
+            );
+            out
+        })
+        .await;
+    let mut child = tokio::process::Command::new(binary)
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the Go example hook");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .expect("the Go hook did not start")
+        .unwrap()
+        .unwrap();
+    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
+    (format!("http://127.0.0.1:{port}"), Child(child))
+}
+
 /// A tonic server running in the background on a bound listener; it stops
 /// (its port closes) on [`Background::stop`] or when dropped.
 pub struct Background(Option<oneshot::Sender<()>>);

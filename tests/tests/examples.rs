@@ -99,6 +99,40 @@ async fn the_python_hook_works_in_a_chain_with_rust_hooks() {
     assert_eq!((meta["kind"].as_str(), meta["code"].as_str()), ("status", "UNIMPLEMENTED"));
 }
 
+/// The same redaction hook in Go, Python and Rust runs in one chain, in
+/// registered order: each redacts what the hook before it let through (an
+/// address appended between them), and no address reaches the model or a
+/// trace.
+#[tokio::test(flavor = "multi_thread")]
+async fn go_python_and_rust_hooks_run_in_one_chain() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "mail ada@example.com")]).await;
+    let (go, _go) = lattice_tests::start_go_hook(&[]).await;
+    let (python, _py) = start_python_hook().await;
+    let (rust, _rust) = start_example("redact", &[]).await;
+    let append = |text: &str| Behaviour { on_result: OnResult::Append(text.into()), ..Default::default() };
+    let bob = HookServer::start(append(" or bob@example.org")).await;
+    let eve = HookServer::start(append(" or eve@example.net")).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("{{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("go", &go, &["tool_result"], 2000)
+        + &cfg::hook("bob", &bob.url, &["tool_result"], 2000)
+        + &cfg::hook("python", &python, &["tool_result"], 2000)
+        + &cfg::hook("eve", &eve.url, &["tool_result"], 2000)
+        + &cfg::hook("rust", &rust, &["tool_result"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "mail [REDACTED:email] or [REDACTED:email] or [REDACTED:email]");
+    let bob_saw = lattice_tests::result_text(bob.state.tool_results()[0].result.as_ref().unwrap());
+    assert_eq!(bob_saw, "mail [REDACTED:email]", "the Go hook ran first");
+    let eve_saw = lattice_tests::result_text(eve.state.tool_results()[0].result.as_ref().unwrap());
+    assert_eq!(eve_saw, "mail [REDACTED:email] or [REDACTED:email]", "then the Python hook");
+    for address in ["ada@example.com", "bob@example.org", "eve@example.net"] {
+        assert!(!lattice.traces().contains(address), "{address}");
+    }
+}
+
 /// `lattice query` prints the event stream readably; `lattice check-config`
 /// accepts the shipped configs and lists every problem of a broken one
 /// (exit 64).

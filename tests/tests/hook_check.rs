@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use lattice_tests::{
     hook::{Behaviour, HookServer, OnRequest, OnResult},
-    start_example, start_python_hook, workspace_binary,
+    start_example, start_go_hook, start_python_hook, workspace_binary,
 };
 use serde_json::Value;
 use tonic::Code;
@@ -45,11 +45,13 @@ fn failed(report: &Value) -> Vec<String> {
 }
 
 /// The Rust examples (redact for tool results, truncate for model
-/// requests) and the Python example pass every check of their events.
+/// requests), the Python example and the Go example pass every check of
+/// their events (with a deadline that leaves room for a 4 MiB result in a
+/// debug build on a loaded machine).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_example_hooks_pass_every_check() {
     let (redact, _r) = start_example("redact", &[]).await;
-    let (ok, report) = check(&redact, &["--events", "tool_result"]).await;
+    let (ok, report) = check(&redact, &["--events", "tool_result", "--deadline-ms", "5000"]).await;
     assert!(ok, "{report:#}");
     assert_eq!(report["failed"], 0, "{report:#}");
     assert_eq!(report["warnings"], 0, "{report:#}");
@@ -58,14 +60,19 @@ async fn the_example_hooks_pass_every_check() {
     assert!(report["checks"].as_array().unwrap().iter().all(|f| !f["check"].as_str().unwrap().starts_with("model")));
 
     let (truncate, _t) = start_example("truncate", &["--keep-last", "2"]).await;
-    let (ok, report) = check(&truncate, &["--events", "model_request"]).await;
+    let (ok, report) = check(&truncate, &["--events", "model_request", "--deadline-ms", "5000"]).await;
     assert!(ok, "{report:#}");
     // The long conversation is cut to its last messages: still valid.
     let (verdict, detail) = finding(&report, "model_request/long_conversation");
     assert_eq!((verdict, detail.starts_with("replaced messages")), ("PASS", true), "{detail}");
 
     let (python, _p) = start_python_hook().await;
-    let (ok, report) = check(&python, &["--events", "tool_result"]).await;
+    let (ok, report) = check(&python, &["--events", "tool_result", "--deadline-ms", "5000"]).await;
+    assert!(ok, "{report:#}");
+    assert_eq!(report["warnings"], 0, "{report:#}");
+
+    let (go, _g) = start_go_hook(&[]).await;
+    let (ok, report) = check(&go, &["--events", "tool_result", "--deadline-ms", "5000"]).await;
     assert!(ok, "{report:#}");
     assert_eq!(report["warnings"], 0, "{report:#}");
 }

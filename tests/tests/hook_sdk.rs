@@ -158,3 +158,22 @@ async fn the_python_hook_drains_after_sigterm() {
     assert_eq!(exit.code(), Some(0));
     assert!(started.elapsed() >= Duration::from_millis(800), "exited before its drain: {:?}", started.elapsed());
 }
+
+/// The Go example drains too: NOT_SERVING after SIGTERM, calls still
+/// answered during the drain, then a graceful stop (exit 0).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_go_hook_drains_after_sigterm() {
+    let (url, mut child) = lattice_tests::start_go_hook(&["--drain-ms", "800"]).await;
+    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    assert_eq!(status(channel.clone()).await, ServingStatus::Serving as i32);
+    let pid = child.0.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
+    let call = HookServiceClient::new(channel).on_tool_result(OnToolResultRequest::default()).await;
+    assert!(call.is_ok(), "served while draining: {call:?}");
+    let exit = tokio::time::timeout(Duration::from_secs(6), child.0.wait()).await.expect("exits").unwrap();
+    assert_eq!(exit.code(), Some(0));
+    assert!(started.elapsed() >= Duration::from_millis(800), "exited before its drain: {:?}", started.elapsed());
+}
