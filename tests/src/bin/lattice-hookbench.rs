@@ -341,7 +341,7 @@ async fn main() {
     }
     let both = limits.clone() + &agent("x", &tools[0], &hooks[..3], &["tool_result", "model_request"]);
     // Each query: 1 tool_result round and 2 model_request rounds.
-    rows.push(("3 hooks, both events".into(), 9, lattice(&both, &dir, "both").await));
+    rows.push(("3 hooks on both events".into(), 9, lattice(&both, &dir, "both").await));
     for (_, _, (_, client)) in rows.iter_mut() {
         for _ in 0..20 {
             query(client, "x").await;
