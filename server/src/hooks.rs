@@ -192,6 +192,21 @@ impl fmt::Display for HookSubject {
     }
 }
 
+/// What one hook of a chain did (see [`HookChain::on_tool_result_observed`]).
+#[derive(Debug)]
+pub struct Observed<'a, V> {
+    /// The hook.
+    pub hook: &'a str,
+    /// How long its call took.
+    pub took: Duration,
+    /// Whether it sent a replacement.
+    pub replaced: bool,
+    /// Whether the value it passed on differs from the one it was given.
+    pub changed: bool,
+    /// The value it passed on, or how it failed (the chain stops there).
+    pub outcome: Result<&'a V, &'a ChainError>,
+}
+
 /// A tool call as the OnToolResult hooks see it.
 #[derive(Debug, Clone)]
 pub struct ToolCallView<'a> {
@@ -334,7 +349,19 @@ impl HookChain {
         &self,
         step: Step<'_>,
         call: &ToolCallView<'_>,
+        result: ToolResult,
+    ) -> Result<ToolResult, ChainError> {
+        self.on_tool_result_observed(step, call, result, |_| {}).await
+    }
+
+    /// [`HookChain::on_tool_result`], telling `observe` what each hook did
+    /// (a dry run of the chain reports it).
+    pub async fn on_tool_result_observed(
+        &self,
+        step: Step<'_>,
+        call: &ToolCallView<'_>,
         mut result: ToolResult,
+        mut observe: impl FnMut(Observed<'_, ToolResult>),
     ) -> Result<ToolResult, ChainError> {
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
         for hook in self.hooks.iter().filter(|h| h.events.tool_result) {
@@ -356,9 +383,28 @@ impl HookChain {
                 }
                 replacement => Ok(replacement.map(ToolResult::from)),
             };
-            let replacement = self.call(hook, step, HookEvent::ToolResult, subject(), request, send, accept).await?;
-            if let Some(r) = replacement {
-                result = r;
+            let started = Instant::now();
+            match self.call(hook, step, HookEvent::ToolResult, subject(), request, send, accept).await {
+                Ok(replacement) => {
+                    let replaced = replacement.is_some();
+                    let changed = replacement.as_ref().is_some_and(|r| *r != result);
+                    if let Some(r) = replacement {
+                        result = r;
+                    }
+                    let outcome = Ok(&result);
+                    observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+                }
+                Err(e) => {
+                    let outcome = Err(&e);
+                    observe(Observed {
+                        hook: &hook.name,
+                        took: started.elapsed(),
+                        replaced: false,
+                        changed: false,
+                        outcome,
+                    });
+                    return Err(e);
+                }
             }
         }
         Ok(result)
@@ -366,10 +412,17 @@ impl HookChain {
 
     /// Passes a model request through every OnModelRequest hook, in order.
     /// The result is for this one request: the caller's history is untouched.
-    pub async fn on_model_request(
+    pub async fn on_model_request(&self, step: Step<'_>, request: ModelRequest) -> Result<ModelRequest, ChainError> {
+        self.on_model_request_observed(step, request, |_| {}).await
+    }
+
+    /// [`HookChain::on_model_request`], telling `observe` what each hook
+    /// did.
+    pub async fn on_model_request_observed(
         &self,
         step: Step<'_>,
         mut request: ModelRequest,
+        mut observe: impl FnMut(Observed<'_, ModelRequest>),
     ) -> Result<ModelRequest, ChainError> {
         if !self.hooks.iter().any(|h| h.events.model_request) {
             return Ok(request);
@@ -405,14 +458,34 @@ impl HookChain {
             let mut client = hook.client.clone();
             let send = |req| async move { client.on_model_request(req).await };
             let subject = HookSubject::Turn(step.turn);
-            let (replacement, system) =
-                self.call(hook, step, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await?;
+            let started = Instant::now();
+            let answer =
+                self.call(hook, step, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await;
+            let (replacement, system) = match answer {
+                Ok(answer) => answer,
+                Err(e) => {
+                    let outcome = Err(&e);
+                    observe(Observed {
+                        hook: &hook.name,
+                        took: started.elapsed(),
+                        replaced: false,
+                        changed: false,
+                        outcome,
+                    });
+                    return Err(e);
+                }
+            };
+            let replaced = replacement.is_some() || system.is_some();
+            let changed = replacement.as_ref().is_some_and(|m| *m != request.messages)
+                || system.as_ref().is_some_and(|s| *s != request.system);
             if let Some(replaced) = replacement {
                 request.messages = replaced;
             }
             if let Some(system) = system {
                 request.system = system;
             }
+            let outcome = Ok(&request);
+            observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
         }
         Ok(request)
     }

@@ -27,6 +27,7 @@ pub mod client;
 pub mod config;
 pub mod convert;
 pub mod domain;
+pub mod dryrun;
 pub mod events;
 pub mod example_tools;
 pub mod health;

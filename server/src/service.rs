@@ -45,6 +45,18 @@ impl AgentSvc {
     }
 }
 
+impl AgentSvc {
+    /// A call's time: its `grpc-timeout`, at most `server.query_deadline_ms`.
+    fn budget(&self, metadata: &tonic::metadata::MetadataMap) -> Duration {
+        let most = self.runtime.settings.query_deadline;
+        metadata
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout)
+            .map_or(most, |d| d.min(most))
+    }
+}
+
 /// Parses a `grpc-timeout` header: 1-8 digits and a unit (H M S m u n).
 fn parse_grpc_timeout(v: &str) -> Option<Duration> {
     let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
@@ -124,12 +136,7 @@ impl AgentService for AgentSvc {
     type QueryStream = EventStream;
 
     async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<Self::QueryStream>, Status> {
-        let budget = request
-            .metadata()
-            .get("grpc-timeout")
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_grpc_timeout)
-            .map_or(self.runtime.settings.query_deadline, |d| d.min(self.runtime.settings.query_deadline));
+        let budget = self.budget(request.metadata());
         let deadline = Instant::now() + budget;
         let req = request.into_inner();
         let agent = self
@@ -258,6 +265,15 @@ impl AgentService for AgentSvc {
             Out::Fail(s) => Err(s),
         });
         Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn test_hooks(
+        &self,
+        request: Request<pb::TestHooksRequest>,
+    ) -> Result<Response<pb::TestHooksResponse>, Status> {
+        let budget = self.budget(request.metadata());
+        let report = crate::dryrun::test_hooks(&self.runtime, request.into_inner(), budget).await?;
+        Ok(Response::new(report))
     }
 
     async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Result<Response<pb::ListAgentsResponse>, Status> {

@@ -142,3 +142,83 @@ async fn reflection_v1_serves_the_whole_contract() {
     }
     assert_eq!(found, vec![true, true, true]);
 }
+
+/// A dry run of a 3-hook chain from grpcurl: each hook's output, whether
+/// it changed the value, its latency; no tool or model is called. A chain
+/// with a failing hook stops there and says which and why, and the value
+/// it was given is not in the failure.
+#[tokio::test(flavor = "multi_thread")]
+async fn grpcurl_dry_runs_a_hook_chain() {
+    use lattice_tests::{
+        canary,
+        hook::{Behaviour, HookServer, OnResult},
+        start_example,
+        tool::{ToolDef, ToolServer},
+    };
+    let tools = ToolServer::start(vec![ToolDef::new("lookup", "never called")]).await;
+    let tag =
+        HookServer::start(Behaviour { on_result: OnResult::Append(" [tagged]".into()), ..Default::default() }).await;
+    let (redact, _r) = start_example("redact", &[]).await;
+    let keep = HookServer::start(Behaviour::default()).await;
+    let failing = HookServer::start(Behaviour { fail: Some(tonic::Code::Internal), ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("tag", &tag.url, &["tool_result"], 2000)
+        + &cfg::hook("redact", &redact, &["tool_result"], 2000)
+        + &cfg::hook("keep", &keep.url, &["tool_result"], 2000)
+        + &cfg::agent("y", "")
+        + &cfg::turn("done", &[])
+        + &cfg::hook("tag", &tag.url, &["tool_result"], 2000)
+        + &cfg::optional_hook("failing", &failing.url, &["tool_result"], 2000);
+    let lattice = Lattice::start(&config).await;
+    let addr = lattice.url.trim_start_matches("http://").to_owned();
+    let run = |agent: &str, text: &str| {
+        let body = serde_json::json!({
+            "agent": agent,
+            "toolResult": {
+                "toolName": "lookup",
+                "input": {"id": 7},
+                "result": {"toolUseId": "toolu_dry_1", "content": [{"text": text}]}
+            }
+        });
+        let out = grpcurl(&[
+            "-plaintext",
+            "-emit-defaults",
+            "-d",
+            &body.to_string(),
+            &addr,
+            "lattice.agent.v1.AgentService/TestHooks",
+        ]);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    };
+
+    let report = run("x", "mail ada@example.com");
+    let steps = report["steps"].as_array().unwrap();
+    let names: Vec<&str> = steps.iter().map(|s| s["hook"].as_str().unwrap()).collect();
+    assert_eq!(names, ["tag", "redact", "keep"], "{report:#}");
+    let text = |v: &serde_json::Value| v["toolResult"]["content"][0]["text"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(text(&steps[0]), "mail ada@example.com [tagged]");
+    assert_eq!((steps[0]["replaced"].as_bool(), steps[0]["changed"].as_bool()), (Some(true), Some(true)));
+    assert_eq!(text(&steps[1]), "mail [REDACTED:email] [tagged]");
+    assert_eq!(steps[1]["changed"], true);
+    assert_eq!((steps[2]["replaced"].as_bool(), steps[2]["changed"].as_bool()), (Some(false), Some(false)));
+    assert!(steps.iter().all(|s| s["latencyMs"].as_f64().unwrap() > 0.0), "{report:#}");
+    assert_eq!(report["completed"], true);
+    assert_eq!(text(&report), "mail [REDACTED:email] [tagged]");
+    assert_eq!(tag.state.tool_results()[0].context.as_ref().unwrap().session_id, "", "no session");
+    assert!(tools.state.called().is_empty(), "no tool is called");
+    assert_eq!(lattice_tests::sample(&lattice.metrics().await, "lattice_model_requests_total"), None);
+
+    let secret = canary();
+    let report = run("y", &secret);
+    let steps = report["steps"].as_array().unwrap();
+    assert_eq!(report["completed"], false, "{report:#}");
+    assert_eq!(steps.len(), 2);
+    let failure = &steps[1]["failure"];
+    assert_eq!((failure["kind"].as_str(), failure["code"].as_str()), (Some("status"), Some("INTERNAL")));
+    let message = failure["message"].as_str().unwrap();
+    assert!(message.contains("hook \"failing\""), "{message}");
+    assert!(!message.contains(&secret) && !message.contains("scripted failure"), "{message}");
+    assert_eq!(text(&report), "", "no final value after a failure");
+}

@@ -795,3 +795,53 @@ async fn the_trace_records_post_hook_values() {
     assert!(trace.contains("[redacted]"));
     assert_no_leak(&secret, &lattice, &out);
 }
+
+/// TestHooks on a model request runs the OnModelRequest hooks only, in
+/// order, and reports an invalid replacement as the hook's failure; a
+/// request without a value, or with messages that are not a valid
+/// conversation, is INVALID_ARGUMENT; an unknown agent NOT_FOUND.
+#[tokio::test(flavor = "multi_thread")]
+async fn test_hooks_dry_runs_model_request_hooks() {
+    use lattice_proto::agent::v1::{self as apb, test_hooks_request::Value};
+    let system =
+        HookServer::start(Behaviour { on_request: OnRequest::System("new system".into()), ..Default::default() }).await;
+    let results_only = HookServer::start(appender("[r]")).await;
+    let dangling = HookServer::start(Behaviour { on_request: OnRequest::Dangling, ..Default::default() }).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("done", &[])
+        + &cfg::hook("system", &system.url, &["model_request"], 1000)
+        + &cfg::hook("results", &results_only.url, &["tool_result"], 1000)
+        + &cfg::agent("y", "")
+        + &cfg::turn("done", &[])
+        + &cfg::hook("dangling", &dangling.url, &["model_request"], 1000);
+    let lattice = Lattice::start(&config).await;
+    let mut client = lattice.client().await;
+    let user = |text: &str| apb::Message {
+        role: apb::Role::User as i32,
+        content: vec![apb::ContentBlock {
+            block: Some(apb::content_block::Block::Text(apb::TextBlock { text: text.into() })),
+        }],
+    };
+    let request = |agent: &str, messages: Vec<apb::Message>| apb::TestHooksRequest {
+        agent: agent.into(),
+        value: Some(Value::ModelRequest(apb::TestModelRequest { turn: 3, system: "old".into(), messages })),
+    };
+    let report = client.test_hooks(request("x", vec![user("hi")])).await.unwrap().into_inner();
+    assert!(report.completed);
+    assert_eq!(report.steps.len(), 1, "the tool_result hook does not run");
+    assert_eq!((report.steps[0].hook.as_str(), report.steps[0].changed), ("system", true));
+    assert_eq!(report.system, "new system");
+    assert_eq!(system.state.model_requests()[0].context.as_ref().unwrap().turn, 3);
+
+    let report = client.test_hooks(request("y", vec![user("hi")])).await.unwrap().into_inner();
+    assert!(!report.completed);
+    let failure = report.steps[0].failure.as_ref().unwrap();
+    assert_eq!(failure.kind, "invalid_reply", "{failure:?}");
+
+    let invalid = apb::Message { role: apb::Role::Assistant as i32, ..user("first") };
+    let status = client.test_hooks(request("x", vec![invalid])).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let none = apb::TestHooksRequest { agent: "x".into(), value: None };
+    assert_eq!(client.test_hooks(none).await.unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(client.test_hooks(request("nobody", vec![user("hi")])).await.unwrap_err().code(), Code::NotFound);
+}
