@@ -153,7 +153,11 @@ impl Tracer {
         let write = async {
             tokio::fs::create_dir_all(dir).await?;
             let mut f = tokio::fs::OpenOptions::new().create(true).append(true).open(&path).await?;
-            f.write_all(format!("{json}\n").as_bytes()).await
+            f.write_all(format!("{json}\n").as_bytes()).await?;
+            // tokio's File writes on a blocking thread; without the flush the
+            // line may land after the client has seen the query end (or,
+            // with the next event's write, out of order).
+            f.flush().await
         };
         if let Err(e) = write.await {
             warn!(path = %path.display(), error = %e, "cannot write trace file");
