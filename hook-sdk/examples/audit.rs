@@ -38,22 +38,21 @@ impl Audit {
     }
 }
 
-fn context(c: Option<lattice_hook_sdk::HookContext>) -> serde_json::Value {
-    let c = c.unwrap_or_default();
+fn context(c: lattice_hook_sdk::HookContext) -> serde_json::Value {
     json!({"agent": c.agent, "session_id": c.session_id, "query_id": c.query_id, "turn": c.turn})
 }
 
 #[async_trait]
 impl Hook for Audit {
     async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
-        let result = call.result.unwrap_or_default();
+        let result = &call.result;
         self.write(json!({
             "event": "tool_result",
             "context": context(call.context),
             "tool_name": call.tool_name,
             "tool_use_id": call.tool_use_id,
             "is_error": result.is_error,
-            "text": text_of(&result),
+            "text": text_of(result),
         }))
         .await?;
         Ok(None)
@@ -61,7 +60,7 @@ impl Hook for Audit {
 
     async fn on_model_request(&self, call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
         let messages: Vec<serde_json::Value> =
-            call.messages.iter().map(|m| json!({"role": m.role, "blocks": m.content.len()})).collect();
+            call.messages.iter().map(|m| json!({"role": m.role().as_str_name(), "blocks": m.content.len()})).collect();
         self.write(json!({
             "event": "model_request",
             "context": context(call.context),
@@ -105,11 +104,11 @@ mod tests {
         let call = ToolResultCall {
             tool_name: "lookup".into(),
             tool_use_id: "t1".into(),
-            result: Some(ToolResultBlock {
+            result: ToolResultBlock {
                 tool_use_id: "t1".into(),
                 content: vec![TextBlock { text: "seen".into() }],
                 is_error: false,
-            }),
+            },
             ..Default::default()
         };
         assert_eq!(audit.on_tool_result(call).await.unwrap(), None);

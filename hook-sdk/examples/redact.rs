@@ -21,7 +21,7 @@
 use std::{net::SocketAddr, path::PathBuf, sync::LazyLock};
 
 use clap::Parser;
-use lattice_hook_sdk::{Hook, Status, ToolResultBlock, ToolResultCall, async_trait};
+use lattice_hook_sdk::{Hook, Server, Status, ToolResultBlock, ToolResultCall, async_trait};
 use regex::Regex;
 
 static EMAIL: LazyLock<Regex> =
@@ -99,9 +99,8 @@ pub struct Redact;
 #[async_trait]
 impl Hook for Redact {
     async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
-        let Some(result) = call.result else { return Err(Status::invalid_argument("the request holds no result")) };
         let mut total = 0;
-        let mut out = result.clone();
+        let mut out = call.result.clone();
         for block in &mut out.content {
             let (text, n) = redact(&block.text);
             total += n;
@@ -139,9 +138,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             if let Some(ca) = &args.tls_client_ca {
                 tls = tls.require_client_ca(read(ca)?);
             }
-            lattice_hook_sdk::serve_tls(Redact, args.listen, tls).await?;
+            Server::new(Redact).tls(tls).serve(args.listen).await?;
         }
-        _ => lattice_hook_sdk::serve(Redact, args.listen).await?,
+        _ => Server::new(Redact).serve(args.listen).await?,
     }
     Ok(())
 }
@@ -181,7 +180,7 @@ mod tests {
     async fn clean_results_are_kept() {
         let call = ToolResultCall {
             tool_use_id: "t".into(),
-            result: Some(ToolResultBlock { tool_use_id: "t".into(), content: vec![], is_error: false }),
+            result: ToolResultBlock { tool_use_id: "t".into(), content: vec![], is_error: false },
             ..Default::default()
         };
         assert_eq!(Redact.on_tool_result(call).await.unwrap(), None);

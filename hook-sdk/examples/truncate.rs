@@ -27,7 +27,7 @@ pub fn cut(messages: &[Message], keep_last: usize) -> Option<usize> {
     // The message after the first (a user message) must be an assistant
     // message; a user message here would also hold tool_results whose
     // tool_use is in the message before it.
-    if messages[start].role == Role::User as i32 {
+    if messages[start].role() == Role::User {
         start -= 1;
     }
     (start > 1).then_some(start)
@@ -46,12 +46,7 @@ impl Hook for Truncate {
         let mut kept = Vec::with_capacity(self.keep_last + 2);
         kept.push(call.messages[0].clone());
         kept.extend_from_slice(&call.messages[start..]);
-        tracing::info!(
-            turn = call.context.map(|c| c.turn).unwrap_or_default(),
-            from = call.messages.len(),
-            to = kept.len(),
-            "truncated"
-        );
+        tracing::info!(turn = call.context.turn, from = call.messages.len(), to = kept.len(), "truncated");
         Ok(ModelRequestChange::messages(kept))
     }
 }
@@ -76,15 +71,10 @@ async fn main() -> Result<(), lattice_hook_sdk::ServeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lattice_hook_sdk::{
-        ContentBlock, TextBlock, ToolResultBlock, content_block::Block, proto::agent::v1::ToolUseBlock,
-    };
+    use lattice_hook_sdk::{ContentBlock, ToolResultBlock, content_block::Block, proto::agent::v1::ToolUseBlock};
 
     fn text(role: Role, t: &str) -> Message {
-        Message {
-            role: role as i32,
-            content: vec![ContentBlock { block: Some(Block::Text(TextBlock { text: t.into() })) }],
-        }
+        lattice_hook_sdk::text_message(role, t)
     }
     fn tool_use(id: &str) -> Message {
         let b = Block::ToolUse(ToolUseBlock { id: id.into(), name: "t".into(), input: None });
@@ -107,7 +97,7 @@ mod tests {
     }
 
     fn pairs_intact(kept: &[Message]) -> bool {
-        kept.windows(2).all(|w| w[0].role != w[1].role) && kept[1].role == Role::Assistant as i32
+        kept.windows(2).all(|w| w[0].role() != w[1].role()) && kept[1].role() == Role::Assistant
     }
 
     #[tokio::test]

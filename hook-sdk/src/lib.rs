@@ -6,16 +6,14 @@
 //! "keep", so a hook implements only what it needs.
 //!
 //! ```no_run
-//! use lattice_hook_sdk::{Hook, ToolResultCall, ToolResultBlock, Status, text_of, with_text};
+//! use lattice_hook_sdk::{Hook, ToolResultCall, ToolResultBlock, Status};
 //!
 //! struct Shout;
 //!
 //! #[lattice_hook_sdk::async_trait]
 //! impl Hook for Shout {
 //!     async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
-//!         let result = call.result.unwrap_or_default();
-//!         let loud = text_of(&result).to_uppercase();
-//!         Ok(Some(with_text(&result, loud)))
+//!         Ok(Some(call.replace_text(call.text().to_uppercase())))
 //!     }
 //! }
 //!
@@ -27,8 +25,9 @@
 //! ```
 //!
 //! Several hooks can run in one service, in order, each seeing the previous
-//! one's output: [`Chain`]. [`serve_tls`] serves TLS, and with
-//! [`Tls::require_client_ca`] mutual TLS. Lattice itself calls the hooks registered for an
+//! one's output: [`Chain`]. [`Server`] sets TLS (with
+//! [`Tls::require_client_ca`], mutual TLS), the drain period and the
+//! message limit, and serves on an address or a bound listener. Lattice itself calls the hooks registered for an
 //! agent in order, within strict deadlines, and aborts the query when any
 //! call fails: returning an error `Status` from a hook is how a hook refuses
 //! to let a value through.
@@ -43,10 +42,108 @@ use lattice_proto::hooks::v1::{
 use tokio::net::TcpListener;
 
 pub use lattice_proto::agent::v1::{ContentBlock, Message, Role, TextBlock, ToolResultBlock, ToolSpec, content_block};
-pub use lattice_proto::hooks::v1::{
-    HookContext, OnModelRequestRequest as ModelRequestCall, OnToolResultRequest as ToolResultCall, ResultSource,
-    SourceKind, ToolError, ToolErrorKind,
-};
+pub use lattice_proto::hooks::v1::{HookContext, ResultSource, SourceKind, ToolError, ToolErrorKind};
+pub use serde_json::{Map as JsonMap, Value as JsonValue};
+
+/// A tool result on its way to the model (`OnToolResult`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ToolResultCall {
+    /// Where the call comes from (agent, session, query, turn).
+    pub context: HookContext,
+    /// The tool the model called.
+    pub tool_name: String,
+    /// The id of the model's tool_use block; a replacement must keep it.
+    pub tool_use_id: String,
+    /// The input the model sent to the tool.
+    pub input: JsonMap<String, JsonValue>,
+    /// The result as it stands after the previous hooks.
+    pub result: ToolResultBlock,
+    /// Why the call did not execute successfully, if so.
+    pub error: Option<ToolError>,
+    /// What produced the result.
+    pub source: Option<ResultSource>,
+}
+
+impl ToolResultCall {
+    /// The result's text (its text blocks, concatenated).
+    pub fn text(&self) -> String {
+        text_of(&self.result)
+    }
+
+    /// A replacement of the result: one text block `text`, the same
+    /// `tool_use_id` and `is_error`.
+    pub fn replace_text(&self, text: impl Into<String>) -> ToolResultBlock {
+        with_text(&self.result, text)
+    }
+}
+
+impl From<pb::OnToolResultRequest> for ToolResultCall {
+    fn from(r: pb::OnToolResultRequest) -> Self {
+        ToolResultCall {
+            context: r.context.unwrap_or_default(),
+            tool_name: r.tool_name,
+            tool_use_id: r.tool_use_id,
+            input: r.input.map(json_object).unwrap_or_default(),
+            result: r.result.unwrap_or_default(),
+            error: r.error,
+            source: r.source,
+        }
+    }
+}
+
+/// A model request about to be sent (`OnModelRequest`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ModelRequestCall {
+    /// Where the call comes from (`turn` is the 1-based model request).
+    pub context: HookContext,
+    /// The system prompt, as it stands after the previous hooks.
+    pub system: String,
+    /// The messages, as they stand after the previous hooks (`role()`
+    /// gives each one's [`Role`]).
+    pub messages: Vec<Message>,
+    /// The tools offered to the model (read-only).
+    pub tools: Vec<ToolSpec>,
+    /// How many of the oldest messages were left out to fit the hook
+    /// message limit (0 when none).
+    pub omitted_messages: u32,
+}
+
+impl From<pb::OnModelRequestRequest> for ModelRequestCall {
+    fn from(r: pb::OnModelRequestRequest) -> Self {
+        ModelRequestCall {
+            context: r.context.unwrap_or_default(),
+            system: r.system,
+            messages: r.messages,
+            tools: r.tools,
+            omitted_messages: r.omitted_messages,
+        }
+    }
+}
+
+/// A message of `role` with one text block.
+pub fn text_message(role: Role, text: impl Into<String>) -> Message {
+    Message {
+        role: role as i32,
+        content: vec![ContentBlock { block: Some(content_block::Block::Text(TextBlock { text: text.into() })) }],
+    }
+}
+
+/// A `google.protobuf.Struct` as JSON.
+fn json_object(s: prost_types::Struct) -> JsonMap<String, JsonValue> {
+    s.fields.into_iter().map(|(k, v)| (k, json_value(v))).collect()
+}
+
+fn json_value(v: prost_types::Value) -> JsonValue {
+    use prost_types::value::Kind;
+    match v.kind {
+        None | Some(Kind::NullValue(_)) => JsonValue::Null,
+        Some(Kind::BoolValue(b)) => JsonValue::Bool(b),
+        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(n).map_or(JsonValue::Null, JsonValue::Number),
+        Some(Kind::StringValue(s)) => JsonValue::String(s),
+        Some(Kind::ListValue(l)) => JsonValue::Array(l.values.into_iter().map(json_value).collect()),
+        Some(Kind::StructValue(s)) => JsonValue::Object(json_object(s)),
+    }
+}
 pub use tonic::{Code, Status, async_trait};
 
 /// The generated contract, for anything the re-exports above don't cover.
@@ -143,11 +240,11 @@ impl Hook for Chain {
         let mut replaced = false;
         for hook in &self.hooks {
             if let Some(r) = hook.on_tool_result(call.clone()).await? {
-                call.result = Some(r);
+                call.result = r;
                 replaced = true;
             }
         }
-        Ok(if replaced { call.result } else { None })
+        Ok(replaced.then_some(call.result))
     }
 
     async fn on_model_request(&self, mut call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
@@ -197,7 +294,11 @@ impl<H: Hook> HookServer<H> {
     /// Lattice's own default (`server.hook_max_message_bytes`), instead of
     /// tonic's 4 MiB, so a large tool result reaches the hook.
     pub fn into_service(self) -> HookServiceServer<Self> {
-        let limit = max_message_bytes();
+        self.into_service_with_limit(max_message_bytes())
+    }
+
+    /// [`HookServer::into_service`] with a message limit of `limit` bytes.
+    pub fn into_service_with_limit(self, limit: usize) -> HookServiceServer<Self> {
         HookServiceServer::new(self).max_decoding_message_size(limit).max_encoding_message_size(limit)
     }
 }
@@ -208,7 +309,7 @@ impl<H: Hook> HookService for HookServer<H> {
         &self,
         request: tonic::Request<pb::OnToolResultRequest>,
     ) -> Result<tonic::Response<pb::OnToolResultResponse>, Status> {
-        let result = self.hook.on_tool_result(request.into_inner()).await?;
+        let result = self.hook.on_tool_result(request.into_inner().into()).await?;
         Ok(tonic::Response::new(pb::OnToolResultResponse { result }))
     }
 
@@ -216,7 +317,7 @@ impl<H: Hook> HookService for HookServer<H> {
         &self,
         request: tonic::Request<pb::OnModelRequestRequest>,
     ) -> Result<tonic::Response<pb::OnModelRequestResponse>, Status> {
-        let change = self.hook.on_model_request(request.into_inner()).await?;
+        let change = self.hook.on_model_request(request.into_inner().into()).await?;
         Ok(tonic::Response::new(pb::OnModelRequestResponse {
             system: change.system,
             messages: change.messages.map(|messages| pb::MessageList { messages }),
@@ -301,7 +402,7 @@ pub fn max_message_bytes() -> usize {
     std::env::var(MAX_MESSAGE_BYTES_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_MAX_MESSAGE_BYTES)
 }
 
-/// The variable that sets the drain period of [`serve`] and [`serve_tls`],
+/// The variable that sets the drain period of [`serve`] and [`Server`],
 /// in milliseconds.
 pub const DRAIN_ENV: &str = "LATTICE_HOOK_DRAIN_MS";
 
@@ -316,92 +417,120 @@ fn drain_from_env() -> Duration {
 }
 
 /// Serves `hook` on `addr` until SIGTERM or Ctrl-C, with gRPC health
-/// (`grpc.health.v1`) and reflection (v1 and v1alpha) included.
-///
-/// On SIGTERM it drains, so that a rolling update loses no call: health
-/// turns NOT_SERVING at once, calls keep being served (in flight, and new
-/// ones on open or new connections) for the drain period
-/// ([`DRAIN_ENV`], default [`DEFAULT_DRAIN`]), then the server sends GOAWAY,
-/// finishes the calls in flight and returns.
+/// (`grpc.health.v1`) and reflection (v1 and v1alpha) included, draining
+/// on SIGTERM: `Server::new(hook).serve(addr)` (see [`Server`]).
 pub async fn serve(hook: impl Hook, addr: SocketAddr) -> Result<(), ServeError> {
-    let signal = shutdown_signal();
-    let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
-    serve_draining_on(hook, listener, None, signal, drain_from_env()).await
+    Server::new(hook).serve(addr).await
 }
 
-/// [`serve`] over TLS (see [`Tls`]).
-pub async fn serve_tls(hook: impl Hook, addr: SocketAddr, tls: Tls) -> Result<(), ServeError> {
-    let signal = shutdown_signal();
-    let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
-    serve_draining_on(hook, listener, Some(tls), signal, drain_from_env()).await
-}
-
-/// Serves `hook` on a bound listener until `shutdown` resolves (for tests
-/// and embedding), with health and reflection; no drain period.
-pub async fn serve_on(
-    hook: impl Hook,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), ServeError> {
-    serve_draining_on(hook, listener, None, shutdown, Duration::ZERO).await
-}
-
-/// [`serve_on`] over TLS.
-pub async fn serve_tls_on(
-    hook: impl Hook,
-    listener: TcpListener,
-    tls: Tls,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), ServeError> {
-    serve_draining_on(hook, listener, Some(tls), shutdown, Duration::ZERO).await
-}
-
-/// Serves `hook` on a bound listener (over TLS when `tls` is set); when
-/// `shutdown` resolves, drains for `drain` (see [`serve`]) and returns once
-/// the calls in flight have finished.
-pub async fn serve_draining_on(
-    hook: impl Hook,
-    listener: TcpListener,
+/// Serves a hook: plain or TLS, with health and reflection, and a drain.
+///
+/// On shutdown (SIGTERM or Ctrl-C for [`Server::serve`]) it drains, so that
+/// a rolling update loses no call: health turns NOT_SERVING at once, calls
+/// keep being served (in flight, and new ones on open or new connections)
+/// for the drain period, then the server sends GOAWAY, finishes the calls
+/// in flight and returns.
+///
+/// ```no_run
+/// # use lattice_hook_sdk::{Hook, Server, Tls};
+/// # struct Redact;
+/// # #[lattice_hook_sdk::async_trait] impl Hook for Redact {}
+/// # async fn run(cert: String, key: String, ca: String) -> Result<(), lattice_hook_sdk::ServeError> {
+/// Server::new(Redact)
+///     .tls(Tls::new(cert, key).require_client_ca(ca))
+///     .drain(std::time::Duration::from_secs(10))
+///     .serve("0.0.0.0:50071".parse().unwrap())
+///     .await
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Server<H> {
+    hook: H,
     tls: Option<Tls>,
-    shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
-) -> Result<(), ServeError> {
-    let (health, health_svc) = tonic_health::server::health_reporter();
-    health.set_serving::<HookServiceServer<HookServer<Chain>>>().await;
-    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
-    let v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(lattice_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(ServeError::Reflection)?;
-    let v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(lattice_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .map_err(ServeError::Reflection)?;
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = &tls {
-        server = server.tls_config(tls.server_config()).map_err(ServeError::Transport)?;
+    max_message_bytes: usize,
+}
+
+impl<H: Hook> Server<H> {
+    /// Serves `hook` over plaintext, with the drain period of
+    /// [`DRAIN_ENV`] (default [`DEFAULT_DRAIN`]) and the message limit of
+    /// [`MAX_MESSAGE_BYTES_ENV`] (default [`DEFAULT_MAX_MESSAGE_BYTES`]).
+    pub fn new(hook: H) -> Self {
+        Server { hook, tls: None, drain: drain_from_env(), max_message_bytes: max_message_bytes() }
     }
-    tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "hook serving");
-    let drained = async move {
-        shutdown.await;
-        // Said first, so that Kubernetes and Lattice stop sending calls here;
-        // the ones that still come are served until the drain ends.
-        health.set_not_serving::<HookServiceServer<HookServer<Chain>>>().await;
-        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
-        tracing::info!(drain_ms = drain.as_millis() as u64, "draining: NOT_SERVING, still serving calls");
-        tokio::time::sleep(drain).await;
-        tracing::info!("drained: GOAWAY, finishing the calls in flight");
-    };
-    server
-        .add_service(health_svc)
-        .add_service(v1)
-        .add_service(v1alpha)
-        .add_service(HookServer::new(hook).into_service())
-        .serve_with_incoming_shutdown(incoming(listener), drained)
-        .await
-        .map_err(ServeError::Transport)
+
+    /// Serves TLS (see [`Tls`]).
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Keeps serving this long after shutdown is asked for.
+    pub fn drain(mut self, drain: Duration) -> Self {
+        self.drain = drain;
+        self
+    }
+
+    /// Accepts requests and replies up to `bytes` (keep it equal to
+    /// Lattice's `server.hook_max_message_bytes`).
+    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
+        self
+    }
+
+    /// Binds `addr` and serves until SIGTERM or Ctrl-C, then drains.
+    pub async fn serve(self, addr: SocketAddr) -> Result<(), ServeError> {
+        let signal = shutdown_signal();
+        let listener = TcpListener::bind(addr).await.map_err(ServeError::Bind)?;
+        self.serve_on(listener, signal).await
+    }
+
+    /// Serves on a bound listener until `shutdown` resolves, then drains
+    /// and returns once the calls in flight have finished (for tests and
+    /// embedding).
+    pub async fn serve_on(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        let Server { hook, tls, drain, max_message_bytes } = self;
+        let (health, health_svc) = tonic_health::server::health_reporter();
+        health.set_serving::<HookServiceServer<HookServer<Chain>>>().await;
+        health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+        let v1 = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(lattice_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(ServeError::Reflection)?;
+        let v1alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(lattice_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()
+            .map_err(ServeError::Reflection)?;
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = &tls {
+            server = server.tls_config(tls.server_config()).map_err(ServeError::Transport)?;
+        }
+        tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), max_message_bytes, "hook serving");
+        let drained = async move {
+            shutdown.await;
+            // Said first, so that Kubernetes and Lattice stop sending calls
+            // here; the ones that still come are served until the drain ends.
+            health.set_not_serving::<HookServiceServer<HookServer<Chain>>>().await;
+            health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+            tracing::info!(drain_ms = drain.as_millis() as u64, "draining: NOT_SERVING, still serving calls");
+            tokio::time::sleep(drain).await;
+            tracing::info!("drained: GOAWAY, finishing the calls in flight");
+        };
+        server
+            .add_service(health_svc)
+            .add_service(v1)
+            .add_service(v1alpha)
+            .add_service(HookServer::new(hook).into_service_with_limit(max_message_bytes))
+            .serve_with_incoming_shutdown(incoming(listener), drained)
+            .await
+            .map_err(ServeError::Transport)
+    }
 }
 
 /// Accepted connections with TCP_NODELAY: without it, small gRPC frames
@@ -440,8 +569,7 @@ mod tests {
     #[async_trait]
     impl Hook for Append {
         async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
-            let r = call.result.unwrap_or_default();
-            Ok(Some(with_text(&r, format!("{}{}", text_of(&r), self.0))))
+            Ok(Some(call.replace_text(format!("{}{}", call.text(), self.0))))
         }
         async fn on_model_request(&self, call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
             Ok(ModelRequestChange::system(format!("{}{}", call.system, self.0)))
@@ -455,11 +583,11 @@ mod tests {
     fn call(text: &str) -> ToolResultCall {
         ToolResultCall {
             tool_use_id: "t1".into(),
-            result: Some(ToolResultBlock {
+            result: ToolResultBlock {
                 tool_use_id: "t1".into(),
                 content: vec![TextBlock { text: text.into() }],
                 is_error: false,
-            }),
+            },
             ..Default::default()
         }
     }
@@ -475,5 +603,28 @@ mod tests {
         let keep = Chain::new().then(Keep).then(Keep);
         assert_eq!(keep.on_tool_result(call("x")).await.unwrap(), None);
         assert!(keep.on_model_request(ModelRequestCall::default()).await.unwrap().is_keep());
+    }
+
+    /// The wire request becomes the SDK's call: the input as JSON, the
+    /// result present even when the request left it out.
+    #[test]
+    fn a_wire_request_becomes_a_call_with_json_input() {
+        use prost_types::{Struct, Value, value::Kind};
+        let field = |k: Kind| Value { kind: Some(k) };
+        let mut nested = Struct::default();
+        nested.fields.insert("deep".into(), field(Kind::BoolValue(true)));
+        let mut input = Struct::default();
+        input.fields.insert("city".into(), field(Kind::StringValue("Paris".into())));
+        input.fields.insert("n".into(), field(Kind::NumberValue(2.5)));
+        input.fields.insert("nested".into(), field(Kind::StructValue(nested)));
+        let wire = pb::OnToolResultRequest { tool_use_id: "t1".into(), input: Some(input), ..Default::default() };
+        let call = ToolResultCall::from(wire);
+        assert_eq!(
+            JsonValue::Object(call.input),
+            serde_json::json!({"city": "Paris", "n": 2.5, "nested": {"deep": true}})
+        );
+        assert_eq!(call.result, ToolResultBlock::default());
+        let m = text_message(Role::Assistant, "hi");
+        assert_eq!(m.role(), Role::Assistant);
     }
 }

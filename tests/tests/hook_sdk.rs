@@ -33,15 +33,9 @@ async fn a_hook_drains_before_it_stops() {
     let (listener, addr) = bind().await;
     let (stop, stopped) = oneshot::channel::<()>();
     let drain = Duration::from_millis(1200);
-    let server = tokio::spawn(lattice_hook_sdk::serve_draining_on(
-        Slow,
-        listener,
-        None,
-        async {
-            let _ = stopped.await;
-        },
-        drain,
-    ));
+    let server = tokio::spawn(lattice_hook_sdk::Server::new(Slow).drain(drain).serve_on(listener, async {
+        let _ = stopped.await;
+    }));
     let url = format!("http://{addr}");
     let channel = tonic::transport::Endpoint::from_shared(url.clone()).unwrap().connect().await.unwrap();
     assert_eq!(status(channel.clone()).await, ServingStatus::Serving as i32);

@@ -4,7 +4,7 @@
 
 use std::{path::Path, time::Duration};
 
-use lattice_hook_sdk::{Hook, Status, Tls, ToolResultBlock, ToolResultCall, with_text};
+use lattice_hook_sdk::{Hook, Status, Tls, ToolResultBlock, ToolResultCall};
 use lattice_proto::agent::v1::GetAgentRequest;
 use lattice_tests::{
     Lattice, assert_no_leak, canary, cfg,
@@ -19,7 +19,7 @@ struct Clean;
 #[lattice_hook_sdk::async_trait]
 impl Hook for Clean {
     async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
-        Ok(Some(with_text(&call.result.unwrap_or_default(), "clean")))
+        Ok(Some(call.replace_text("clean")))
     }
 }
 
@@ -32,7 +32,8 @@ struct SdkHook {
 async fn sdk_hook(tls: Tls) -> SdkHook {
     let (listener, addr) = lattice_tests::bind().await;
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(lattice_hook_sdk::serve_tls_on(Clean, listener, tls, async {
+    let server = lattice_hook_sdk::Server::new(Clean).tls(tls).drain(std::time::Duration::ZERO);
+    tokio::spawn(server.serve_on(listener, async {
         let _ = stopped.await;
     }));
     SdkHook { port: addr.port(), _stop: stop }

@@ -15,8 +15,7 @@ use std::{net::SocketAddr, time::Duration};
 
 use clap::{Parser, Subcommand};
 use lattice_hook_sdk::{
-    Hook, ModelRequestCall, ModelRequestChange, Status, ToolResultBlock, ToolResultCall, async_trait, text_of,
-    with_text,
+    Hook, ModelRequestCall, ModelRequestChange, Status, ToolResultBlock, ToolResultCall, async_trait,
 };
 use lattice_proto::tools::v1::{self as pb, tool_service_server::ToolServiceServer};
 
@@ -76,9 +75,8 @@ impl Hook for Appender {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
-        let r = call.result.unwrap_or_default();
-        let text = self.replace.clone().unwrap_or_else(|| text_of(&r));
-        Ok(Some(with_text(&r, format!("{text}{}", self.marker))))
+        let text = self.replace.clone().unwrap_or_else(|| call.text());
+        Ok(Some(call.replace_text(format!("{text}{}", self.marker))))
     }
 
     async fn on_model_request(&self, call: ModelRequestCall) -> Result<ModelRequestChange, Status> {
@@ -128,7 +126,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let hook = Appender { marker: append, replace, delay: Duration::from_millis(delay_ms) };
             let listener = tokio::net::TcpListener::bind(listen).await?;
             let drain = Duration::from_millis(drain_ms);
-            lattice_hook_sdk::serve_draining_on(hook, listener, None, signal, drain).await?;
+            lattice_hook_sdk::Server::new(hook).drain(drain).serve_on(listener, signal).await?;
         }
         Role::Tool { listen, delay_ms, text, bytes, drain_ms } => {
             let text = bytes.map_or(text, |n| "x".repeat(n));
