@@ -101,6 +101,18 @@ mod tests {
         let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
         assert!(text.contains("ours"), "{text}");
         assert!(!text.contains("from the transport"), "{text}");
+
+        // No level lets the transport crates through without the opt-in.
+        let sink = lines.clone();
+        let s = subscriber(Format::Text, EnvFilter::new("trace"), false, move || Sink(sink.clone()));
+        tracing::subscriber::with_default(s, || {
+            assert!(!tracing::enabled!(target: "h2::proto", tracing::Level::TRACE));
+            tracing::trace!(target: "hyper::proto", "frame bytes");
+            tracing::trace!(target: "lattice_server::peer", "ours at trace");
+        });
+        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("ours at trace"), "{text}");
+        assert!(!text.contains("frame bytes"), "{text}");
     }
 
     struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
