@@ -164,3 +164,16 @@ async fn a_hook_slower_than_its_deadline_fails_and_a_bad_address_is_refused() {
         .unwrap();
     assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A hook whose message limit is below Lattice's (the Rust SDK at 1 MiB,
+/// Lattice at 4 MiB) fails the large-value checks, saying so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hook_with_a_smaller_message_limit_fails_the_large_checks() {
+    let (url, _hook) =
+        lattice_tests::start_example_env("redact", &[], &[("LATTICE_HOOK_MAX_MESSAGE_BYTES", "1048576")]).await;
+    let (ok, report) = check(&url, &["--events", "tool_result", "--deadline-ms", "5000"]).await;
+    assert!(!ok);
+    assert_eq!(failed(&report), ["tool_result/1MiB", "tool_result/near_limit"], "{report:#}");
+    let (_, detail) = finding(&report, "tool_result/near_limit");
+    assert!(detail.contains("over the service's message limit"), "{detail}");
+}
