@@ -122,6 +122,19 @@ struct RawServer {
     peer_health_check_ms: Option<u64>,
     worker_threads: Option<usize>,
     trace_dir: Option<PathBuf>,
+    auth: Option<Spanned<RawAuth>>,
+}
+
+/// `[server.auth]`: who may call.
+#[derive(Debug, Default, Deserialize)]
+struct RawAuth {
+    /// "token" or "none".
+    mode: Option<Spanned<String>>,
+    /// Mode "token": lines `<principal> <sha256 hex of the token>`.
+    tokens_file: Option<String>,
+    /// Principals that may use the admin RPCs (TestHooks).
+    #[serde(default)]
+    admins: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -145,6 +158,8 @@ struct RawAgent {
     delegates: Vec<RawDelegate>,
     #[serde(default)]
     hooks: Vec<RawHook>,
+    /// Who may query it (with `[server.auth]` on); unset: any principal.
+    principals: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -398,6 +413,32 @@ pub struct ServerSettings {
     pub peer_health_check: Option<Duration>,
     /// Tokio worker threads of `lattice serve`; `None`: one per core.
     pub worker_threads: Option<usize>,
+    /// Who may call (`[server.auth]`).
+    pub auth: AuthSettings,
+}
+
+/// `[server.auth]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AuthSettings {
+    /// How clients prove who they are.
+    pub mode: AuthMode,
+    /// Principals that may use the admin RPCs.
+    pub admins: Vec<String>,
+}
+
+/// How clients prove who they are.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum AuthMode {
+    /// No `[server.auth]`: open, with a warning at start-up.
+    #[default]
+    Unset,
+    /// `mode = "none"`: open, said on purpose.
+    None,
+    /// `mode = "token"`: a bearer token whose SHA-256 is in this file.
+    Token {
+        /// The tokens file (read at start-up, re-read when it changes).
+        tokens_file: PathBuf,
+    },
 }
 
 /// One agent.
@@ -425,6 +466,8 @@ pub struct AgentDef {
     pub delegates: Vec<DelegateDef>,
     /// The hook chain, in registered order (disabled entries included).
     pub hooks: Vec<HookDef>,
+    /// Who may query it when `[server.auth]` is on; `None`: any principal.
+    pub principals: Option<Vec<String>>,
 }
 
 /// Which model answers.
@@ -988,8 +1031,40 @@ impl Validator<'_> {
                 .filter(|v| *v > 0)
                 .map(ms),
             worker_threads: s.worker_threads.map(|n| n.max(1)),
+            auth: self.auth(s.auth),
             hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
         }
+    }
+
+    fn auth(&mut self, auth: Option<Spanned<RawAuth>>) -> AuthSettings {
+        let Some(auth) = auth else { return AuthSettings::default() };
+        let span = auth.span();
+        let raw = auth.into_inner();
+        let mode = match raw.mode.as_ref().map(|m| m.get_ref().as_str()) {
+            Some("none") => AuthMode::None,
+            Some("token") => match &raw.tokens_file {
+                Some(file) => AuthMode::Token { tokens_file: self.dir.join(file) },
+                None => {
+                    self.problem(Some(span), "server.auth.tokens_file", "mode \"token\" needs a tokens_file");
+                    AuthMode::None
+                }
+            },
+            Some(other) => {
+                let span = raw.mode.as_ref().map(|m| m.span());
+                self.problem(span, "server.auth.mode", format!("{other:?} is not a mode: \"token\" or \"none\""));
+                AuthMode::None
+            }
+            None => {
+                self.problem(Some(span), "server.auth.mode", "set it: \"token\", or \"none\" to run open");
+                AuthMode::None
+            }
+        };
+        if let AuthMode::Token { tokens_file } = &mode
+            && let Err(e) = crate::auth::TokenTable::read(tokens_file)
+        {
+            self.problem(None, "server.auth.tokens_file", e);
+        }
+        AuthSettings { mode, admins: raw.admins }
     }
 
     fn sessions(&mut self, s: RawSessions) -> SessionSettings {
@@ -1219,6 +1294,7 @@ impl Validator<'_> {
             tool_sources,
             delegates,
             hooks,
+            principals: a.principals,
         }
     }
 

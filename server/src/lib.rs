@@ -23,6 +23,7 @@
 //! resolves; `main.rs` and the tests both call it.
 
 pub mod agent;
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod convert;
@@ -71,6 +72,9 @@ pub enum ServeError {
     /// The transport failed.
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// `[server.auth]` could not be set up (the tokens file).
+    #[error("auth: {0}")]
+    Auth(String),
 }
 
 /// Serves `config` on `listener` until `shutdown` resolves, then stops
@@ -99,7 +103,8 @@ pub async fn run(
             (Arc::new(store.clone()), Some(store))
         }
     };
-    let agents = AgentServiceServer::new(AgentSvc::new(runtime.clone(), store.clone()))
+    let auth = Arc::new(auth::Authenticator::new(&config.server.auth).map_err(ServeError::Auth)?);
+    let agents = AgentServiceServer::new(AgentSvc::new(runtime.clone(), store.clone(), auth))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 

@@ -15,6 +15,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::{
     agent::{AgentError, AgentRuntime, RunCtx, Runtime},
+    auth::{Authenticator, Principal},
     domain::Scope,
     events::{self, EventTx, Out},
     peer,
@@ -33,19 +34,31 @@ const DEADLINE_GRACE: Duration = Duration::from_millis(20);
 pub struct AgentSvc {
     runtime: Arc<Runtime>,
     store: Arc<dyn SessionStore>,
+    /// Who is calling.
+    auth: Arc<Authenticator>,
     /// Queries in flight across all sessions; the excess is refused.
     queries: Arc<Semaphore>,
 }
 
 impl AgentSvc {
     /// A service over `runtime` and `store`.
-    pub fn new(runtime: Arc<Runtime>, store: Arc<dyn SessionStore>) -> Self {
+    pub fn new(runtime: Arc<Runtime>, store: Arc<dyn SessionStore>, auth: Arc<Authenticator>) -> Self {
         let limit = runtime.settings.max_concurrent_queries;
-        Self { runtime, store, queries: Arc::new(Semaphore::new(limit)) }
+        Self { runtime, store, auth, queries: Arc::new(Semaphore::new(limit)) }
     }
 }
 
 impl AgentSvc {
+    /// PERMISSION_DENIED unless `principal` may query `agent`: with
+    /// authentication on, an agent that lists `principals` is for them only.
+    fn may_query(&self, principal: &Principal, agent: &AgentRuntime) -> Result<(), Status> {
+        let listed = agent.def.principals.as_ref().is_none_or(|p| p.contains(&principal.name));
+        if !self.auth.enabled() || listed {
+            return Ok(());
+        }
+        Err(Status::permission_denied(format!("{:?} may not query agent {:?}", principal.name, agent.def.name)))
+    }
+
     /// A call's time: its `grpc-timeout`, at most `server.query_deadline_ms`.
     fn budget(&self, metadata: &tonic::metadata::MetadataMap) -> Duration {
         let most = self.runtime.settings.query_deadline;
@@ -136,6 +149,7 @@ impl AgentService for AgentSvc {
     type QueryStream = EventStream;
 
     async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<Self::QueryStream>, Status> {
+        let principal = self.auth.authenticate(request.metadata())?;
         let budget = self.budget(request.metadata());
         let deadline = Instant::now() + budget;
         let req = request.into_inner();
@@ -144,6 +158,8 @@ impl AgentService for AgentSvc {
             .agent(&req.agent)
             .cloned()
             .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&req.agent))))?;
+        // Before anything is touched: no session, no tool, no model.
+        self.may_query(&principal, &agent)?;
         if req.prompt.trim().is_empty() {
             return Err(Status::invalid_argument("prompt must not be empty"));
         }
@@ -166,7 +182,7 @@ impl AgentService for AgentSvc {
             return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
         }
         let query_id = uuid::Uuid::new_v4().to_string();
-        let span = info_span!("query", agent = %agent.def.name, session_id = %session_id, query_id = %query_id);
+        let span = info_span!("query", agent = %agent.def.name, principal = %principal.name, session_id = %session_id, query_id = %query_id);
         debug!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
 
         let (out_tx, out_rx) = mpsc::channel::<Out>(32);
@@ -271,16 +287,28 @@ impl AgentService for AgentSvc {
         &self,
         request: Request<pb::TestHooksRequest>,
     ) -> Result<Response<pb::TestHooksResponse>, Status> {
+        let principal = self.auth.authenticate(request.metadata())?;
+        if !principal.admin {
+            return Err(Status::permission_denied(format!(
+                "TestHooks is for admins (server.auth.admins); {:?} is not one",
+                principal.name
+            )));
+        }
         let budget = self.budget(request.metadata());
         let report = crate::dryrun::test_hooks(&self.runtime, request.into_inner(), budget).await?;
         Ok(Response::new(report))
     }
 
-    async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Result<Response<pb::ListAgentsResponse>, Status> {
+    async fn list_agents(
+        &self,
+        request: Request<pb::ListAgentsRequest>,
+    ) -> Result<Response<pb::ListAgentsResponse>, Status> {
+        self.auth.authenticate(request.metadata())?;
         Ok(Response::new(pb::ListAgentsResponse { agents: self.runtime.agents().map(|a| agent_to_pb(a)).collect() }))
     }
 
     async fn get_agent(&self, request: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
+        self.auth.authenticate(request.metadata())?;
         let name = request.into_inner().name;
         let agent = self
             .runtime
@@ -290,6 +318,7 @@ impl AgentService for AgentSvc {
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
+        self.auth.authenticate(request.metadata())?;
         let req = request.into_inner();
         let start = match req.page_token.as_str() {
             "" => 0,
@@ -332,6 +361,7 @@ impl AgentService for AgentSvc {
         &self,
         request: Request<pb::DeleteSessionRequest>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
+        self.auth.authenticate(request.metadata())?;
         let id = request.into_inner().session_id;
         if !plausible_session_id(&id) {
             return Err(Status::not_found("session not found"));

@@ -314,6 +314,9 @@ impl Lattice {
             let v = format!("{}m", t.as_millis());
             req.metadata_mut().insert("grpc-timeout", v.parse().unwrap());
         }
+        if let Some(token) = &opts.token {
+            req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        }
         let started = Instant::now();
         let mut out = Outcome { events: vec![], status: None, elapsed: Duration::ZERO, ended: started };
         match client.query(req).await {
@@ -396,6 +399,8 @@ pub struct QueryOpts {
     pub timeout: Option<Duration>,
     /// Don't ask for model_request events (they repeat the conversation).
     pub no_model_requests: bool,
+    /// A bearer token to send (`authorization: Bearer …`).
+    pub token: Option<String>,
 }
 
 /// A finished query.

@@ -1,0 +1,218 @@
+//! Who is calling: `[server.auth]`.
+//!
+//! Mode `token`: a client sends `authorization: Bearer <token>`; Lattice
+//! hashes it (SHA-256) and looks the digest up in the tokens file, whose
+//! lines are `<principal> <sha256 hex of the token>` (a Kubernetes Secret,
+//! mounted). The file holds no token, only digests; every entry is compared
+//! in constant time; a token is never logged, and no error repeats it. The
+//! file is re-read when it changes (a revoked token stops working within
+//! [`RELOAD_EVERY`]); a file that no longer parses keeps the previous table
+//! and says why in the log.
+//!
+//! Mode `none` (or no `[server.auth]`, which start-up warns about): every
+//! caller is let in, as the principal [`ANONYMOUS`].
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, RwLock},
+    time::{Duration, SystemTime},
+};
+
+use tonic::{Status, metadata::MetadataMap};
+use tracing::{info, warn};
+
+use crate::config::{AuthMode, AuthSettings};
+
+/// How often the tokens file is checked for changes.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
+
+/// The principal of a caller when authentication is off.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// A caller, as authenticated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// Its name (from the tokens file), or [`ANONYMOUS`].
+    pub name: String,
+    /// Whether it may use the admin RPCs.
+    pub admin: bool,
+}
+
+/// The tokens file, parsed.
+#[derive(Debug, Clone, Default)]
+pub struct TokenTable {
+    entries: Vec<(String, [u8; 32])>,
+}
+
+impl TokenTable {
+    /// Reads and parses a tokens file. The error names the file and the
+    /// line, never a token or digest.
+    pub fn read(path: &Path) -> Result<TokenTable, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        TokenTable::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Parses `<principal> <sha256 hex>` lines (blank lines and `#`
+    /// comments skipped).
+    pub fn parse(text: &str) -> Result<TokenTable, String> {
+        let mut entries = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let mut words = line.split_whitespace();
+            let (Some(principal), Some(hex), None) = (words.next(), words.next(), words.next()) else {
+                return Err(format!("line {}: expected `<principal> <sha256 hex of the token>`", n + 1));
+            };
+            let digest = decode_digest(hex)
+                .ok_or_else(|| format!("line {}: the digest of {principal:?} is not 64 hex digits", n + 1))?;
+            entries.push((principal.to_owned(), digest));
+        }
+        Ok(TokenTable { entries })
+    }
+
+    /// The principal whose digest matches `token`'s. Every entry is
+    /// compared, each in constant time.
+    fn principal(&self, token: &str) -> Option<&str> {
+        let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let mut found = None;
+        for (principal, expected) in &self.entries {
+            let diff = expected.iter().zip(digest.as_ref()).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+            if diff == 0 && found.is_none() {
+                found = Some(principal.as_str());
+            }
+        }
+        found
+    }
+
+    /// How many tokens it holds.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+fn decode_digest(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Decides who is calling (see the module docs).
+#[derive(Debug)]
+pub struct Authenticator {
+    tokens: Option<Arc<RwLock<TokenTable>>>,
+    admins: Vec<String>,
+}
+
+impl Authenticator {
+    /// The authenticator of `settings`; in mode `token` it reads the file
+    /// now and starts watching it (needs a Tokio runtime).
+    pub fn new(settings: &AuthSettings) -> Result<Authenticator, String> {
+        let tokens = match &settings.mode {
+            AuthMode::Unset => {
+                warn!(
+                    "no [server.auth]: every client may run every agent and read every session; \
+                     set mode = \"token\", or mode = \"none\" to run open on purpose"
+                );
+                None
+            }
+            AuthMode::None => None,
+            AuthMode::Token { tokens_file } => {
+                let table = TokenTable::read(tokens_file)?;
+                info!(path = %tokens_file.display(), tokens = table.len(), "auth: bearer tokens");
+                let table = Arc::new(RwLock::new(table));
+                tokio::spawn(watch(tokens_file.clone(), Arc::downgrade(&table)));
+                Some(table)
+            }
+        };
+        Ok(Authenticator { tokens, admins: settings.admins.clone() })
+    }
+
+    /// Whether callers must authenticate.
+    pub fn enabled(&self) -> bool {
+        self.tokens.is_some()
+    }
+
+    /// The caller of a request: UNAUTHENTICATED without a valid token.
+    pub fn authenticate(&self, metadata: &MetadataMap) -> Result<Principal, Status> {
+        let Some(tokens) = &self.tokens else {
+            return Ok(Principal { name: ANONYMOUS.to_owned(), admin: true });
+        };
+        let token = metadata
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| Status::unauthenticated("send `authorization: Bearer <token>`"))?;
+        let table = tokens.read().map_err(|_| Status::internal("the token table is unavailable"))?;
+        let name = table.principal(token).ok_or_else(|| Status::unauthenticated("the token is not valid"))?;
+        Ok(Principal { name: name.to_owned(), admin: self.admins.iter().any(|a| a == name) })
+    }
+}
+
+/// Re-reads the tokens file when its modification time or size changes;
+/// ends when the table is dropped.
+async fn watch(path: PathBuf, table: std::sync::Weak<RwLock<TokenTable>>) {
+    let stamp = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
+    let mut seen = stamp(&path);
+    loop {
+        tokio::time::sleep(RELOAD_EVERY).await;
+        let Some(table) = table.upgrade() else { return };
+        let now = stamp(&path);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        match TokenTable::read(&path) {
+            Ok(new) => {
+                info!(path = %path.display(), tokens = new.len(), "auth: tokens file reloaded");
+                if let Ok(mut t) = table.write() {
+                    *t = new;
+                }
+            }
+            Err(e) => warn!(error = %e, "auth: tokens file not reloaded; the previous tokens stay in force"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sha(token: &str) -> String {
+        ring::digest::digest(&ring::digest::SHA256, token.as_bytes())
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    #[test]
+    fn tokens_map_to_their_principals_and_nothing_else() {
+        let text = format!("# who may call\nalice {}\n\nops {}\n", sha("a-secret"), sha("o-secret"));
+        let table = TokenTable::parse(&text).unwrap();
+        assert_eq!(table.principal("a-secret"), Some("alice"));
+        assert_eq!(table.principal("o-secret"), Some("ops"));
+        assert_eq!(table.principal("a-secreT"), None);
+        assert_eq!(table.principal(""), None);
+    }
+
+    #[test]
+    fn a_bad_line_is_named_without_its_digest() {
+        let err = TokenTable::parse("alice 1234\n").unwrap_err();
+        assert!(err.contains("line 1") && !err.contains("1234"), "{err}");
+        assert!(TokenTable::parse("alice\n").unwrap_err().contains("line 1"));
+    }
+}

@@ -1,0 +1,158 @@
+//! `[server.auth]` mode "token": who may call, and what each may do.
+
+use std::time::Duration;
+
+use lattice_proto::agent::v1::{self as pb, test_hooks_request::Value};
+use lattice_tests::{
+    Lattice, QueryOpts, cfg,
+    hook::{Behaviour, HookServer},
+    temp_dir,
+    tool::{ToolDef, ToolServer},
+};
+use tonic::Code;
+
+fn sha256_hex(token: &str) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(token.as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
+}
+
+/// A tokens file for `(principal, token)` pairs.
+fn tokens_file(path: &std::path::Path, tokens: &[(&str, &str)]) {
+    let text: String = tokens.iter().map(|(p, t)| format!("{p} {}\n", sha256_hex(t))).collect();
+    std::fs::write(path, format!("# principal sha256\n{text}")).unwrap();
+}
+
+fn with_token(agent: &str, token: Option<&str>) -> QueryOpts {
+    QueryOpts { agent: agent.into(), prompt: "go".into(), token: token.map(str::to_owned), ..Default::default() }
+}
+
+fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    r
+}
+
+/// Without a token, or with one not in the file: UNAUTHENTICATED. A
+/// principal not listed on an agent: PERMISSION_DENIED, and its tool is
+/// never called. TestHooks is for admins. A token removed from the file
+/// stops working within seconds. No token reaches the logs, even at trace.
+#[tokio::test(flavor = "multi_thread")]
+async fn bearer_tokens_authenticate_and_agents_authorize() {
+    let dir = temp_dir("auth");
+    let tokens = dir.join("tokens.txt");
+    let (alice, bob, ops) = ("alice-token-7f3a91", "bob-token-52c0d4", "ops-token-e81b2f");
+    tokens_file(&tokens, &[("alice", alice), ("bob", bob), ("ops", ops)]);
+    let tools = ToolServer::start(vec![ToolDef::new("t", "the tool ran")]).await;
+    let hook = HookServer::start(Behaviour::default()).await;
+    let config = format!(
+        "[server.auth]\nmode = \"token\"\ntokens_file = {:?}\nadmins = [\"ops\"]\n",
+        tokens.display().to_string()
+    ) + &cfg::agent("support", "principals = [\"alice\"]")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("done: {{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("keep", &hook.url, &["tool_result"], 2000)
+        + &cfg::agent("open", "")
+        + &cfg::turn("hello", &[]);
+    let lattice = Lattice::spawn(&config, &[("RUST_LOG", "trace")]).await;
+
+    let none = lattice.query_with(with_token("support", None)).await;
+    assert_eq!(none.status.as_ref().map(|s| s.code()), Some(Code::Unauthenticated), "{:?}", none.status);
+    let wrong = lattice.query_with(with_token("support", Some("not-a-token"))).await;
+    assert_eq!(wrong.status.as_ref().map(|s| s.code()), Some(Code::Unauthenticated));
+
+    assert_eq!(lattice.query_with(with_token("support", Some(alice))).await.ok().text, "done: the tool ran");
+    let denied = lattice.query_with(with_token("support", Some(bob))).await;
+    assert_eq!(denied.status.as_ref().map(|s| s.code()), Some(Code::PermissionDenied));
+    assert_eq!(tools.state.called().len(), 1, "bob's query called no tool");
+    // An agent that lists no principals takes any authenticated one.
+    assert_eq!(lattice.query_with(with_token("open", Some(bob))).await.ok().text, "hello");
+
+    let mut client = lattice.client().await;
+    let dry = || pb::TestHooksRequest {
+        agent: "support".into(),
+        value: Some(Value::ToolResult(pb::TestToolResult {
+            tool_name: "t".into(),
+            input: None,
+            result: Some(pb::ToolResultBlock { tool_use_id: "toolu_1".into(), content: vec![], is_error: false }),
+        })),
+    };
+    assert_eq!(client.test_hooks(authed(dry(), alice)).await.unwrap_err().code(), Code::PermissionDenied);
+    assert!(client.test_hooks(authed(dry(), ops)).await.unwrap().into_inner().completed);
+    assert_eq!(client.list_agents(pb::ListAgentsRequest {}).await.unwrap_err().code(), Code::Unauthenticated);
+    assert_eq!(client.list_agents(authed(pb::ListAgentsRequest {}, bob)).await.unwrap().into_inner().agents.len(), 2);
+
+    // Alice's token is revoked: the file is re-read within a second or two.
+    tokens_file(&tokens, &[("bob", bob), ("ops", ops)]);
+    let revoked = async {
+        loop {
+            let out = lattice.query_with(with_token("open", Some(alice))).await;
+            if out.status.as_ref().map(|s| s.code()) == Some(Code::Unauthenticated) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), revoked).await.expect("a revoked token stops working");
+
+    let logs = lattice.process_logs();
+    assert!(logs.contains("\"principal\":\"alice\""), "the query log says who asked");
+    for token in [alice, bob, ops, "not-a-token"] {
+        assert!(!logs.contains(token), "a token reached the logs");
+    }
+}
+
+/// grpcurl sends the token as a header: `-H 'authorization: Bearer …'`.
+#[tokio::test(flavor = "multi_thread")]
+async fn grpcurl_queries_with_a_bearer_token() {
+    let dir = temp_dir("auth-grpcurl");
+    let tokens = dir.join("tokens.txt");
+    tokens_file(&tokens, &[("alice", "grpcurl-token-1")]);
+    let config = format!("[server.auth]\nmode = \"token\"\ntokens_file = {:?}\n", tokens.display().to_string())
+        + &cfg::agent("echo", "")
+        + &cfg::turn("you said: {{last_user_text}}", &[]);
+    let lattice = Lattice::start(&config).await;
+    let addr = lattice.url.trim_start_matches("http://").to_owned();
+    let run = |header: Option<&str>| {
+        let mut args = vec!["-plaintext"];
+        if let Some(h) = header {
+            args.extend(["-H", h]);
+        }
+        args.extend(["-d", r#"{"agent": "echo", "prompt": "hi"}"#, &addr, "lattice.agent.v1.AgentService/Query"]);
+        let out = std::process::Command::new("grpcurl").args(&args).output().expect("grpcurl");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    assert!(run(Some("authorization: Bearer grpcurl-token-1")).contains("you said: hi"));
+    assert!(run(None).contains("Code: Unauthenticated"));
+}
+
+/// A config with mode "token" and no tokens file, or an unknown mode, is
+/// refused with the field named.
+#[tokio::test(flavor = "multi_thread")]
+async fn auth_config_mistakes_are_named() {
+    for (table, field) in [
+        ("[server.auth]\nmode = \"token\"\n", "server.auth.tokens_file"),
+        ("[server.auth]\nmode = \"kerberos\"\n", "server.auth.mode"),
+        ("[server.auth]\nadmins = [\"ops\"]\n", "server.auth.mode"),
+    ] {
+        let path = temp_dir("auth-config").join("lattice.toml");
+        std::fs::write(&path, table.to_owned() + &cfg::agent("a", "") + &cfg::turn("hi", &[])).unwrap();
+        let out = std::process::Command::new(lattice_tests::workspace_binary("lattice"))
+            .args(["check-config", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{table}: {text}");
+        assert!(text.contains(field), "{table}: {text}");
+    }
+}
