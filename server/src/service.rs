@@ -59,6 +59,12 @@ impl AgentSvc {
         Err(Status::permission_denied(format!("{:?} may not query agent {:?}", principal.name, agent.def.name)))
     }
 
+    /// Whose sessions a caller sees: its own when authentication is on
+    /// (another's is NOT_FOUND: its existence is not revealed), any when off.
+    fn owner<'a>(&self, principal: &'a Principal) -> Option<&'a str> {
+        self.auth.enabled().then_some(principal.name.as_str())
+    }
+
     /// A call's time: its `grpc-timeout`, at most `server.query_deadline_ms`.
     fn budget(&self, metadata: &tonic::metadata::MetadataMap) -> Duration {
         let most = self.runtime.settings.query_deadline;
@@ -176,8 +182,11 @@ impl AgentService for AgentSvc {
             .clone()
             .try_acquire_owned()
             .map_err(|_| Status::resource_exhausted("too many queries in flight; retry later"))?;
-        let mut lease =
-            self.store.acquire(&session_id, &agent.def.name, create).await.map_err(|e| status::store_error(&e))?;
+        let mut lease = self
+            .store
+            .acquire_as(&session_id, &agent.def.name, self.owner(&principal), create)
+            .await
+            .map_err(|e| status::store_error(&e))?;
         if lease.session.agent != agent.def.name {
             return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
         }
@@ -318,13 +327,14 @@ impl AgentService for AgentSvc {
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
-        self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(request.metadata())?;
         let req = request.into_inner();
         let start = match req.page_token.as_str() {
             "" => 0,
             token => token.parse::<usize>().map_err(|_| Status::invalid_argument("page_token is not one of ours"))?,
         };
-        let s = self.store.get(&req.session_id).await.map_err(|e| status::store_error(&e))?;
+        let s =
+            self.store.get_as(&req.session_id, self.owner(&principal)).await.map_err(|e| status::store_error(&e))?;
         if start > s.messages.len() {
             return Err(Status::invalid_argument("page_token is past the end of the conversation"));
         }
@@ -361,12 +371,12 @@ impl AgentService for AgentSvc {
         &self,
         request: Request<pb::DeleteSessionRequest>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
-        self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(request.metadata())?;
         let id = request.into_inner().session_id;
         if !plausible_session_id(&id) {
             return Err(Status::not_found("session not found"));
         }
-        self.store.delete(&id).await.map_err(|e: StoreError| status::store_error(&e))?;
+        self.store.delete_as(&id, self.owner(&principal)).await.map_err(|e: StoreError| status::store_error(&e))?;
         self.runtime.tracer().delete(&id).await;
         info!(session_id = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))

@@ -156,3 +156,38 @@ async fn auth_config_mistakes_are_named() {
         assert!(text.contains(field), "{table}: {text}");
     }
 }
+
+/// Sessions belong to the principal that created them: another one can't
+/// continue, read or delete one (NOT_FOUND, as if it did not exist), on
+/// the memory store and on PostgreSQL alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_belong_to_their_owner() {
+    let dir = temp_dir("auth-owner");
+    let tokens = dir.join("tokens.txt");
+    let (alice, bob) = ("alice-owner-token", "bob-owner-token");
+    tokens_file(&tokens, &[("alice", alice), ("bob", bob)]);
+    let auth = format!("[server.auth]\nmode = \"token\"\ntokens_file = {:?}\n", tokens.display().to_string());
+    let agent = cfg::agent("a", "") + "[[agents.model.script]]\ntext = \"seen {{message_count}}\"\n";
+    let url = lattice_tests::postgres::Cluster::shared().await.database().await;
+    let postgres = "[sessions]\nstore = \"postgres\"\nurl_env = \"LATTICE_POSTGRES_URL\"\n";
+    for store in ["", postgres] {
+        let lattice = Lattice::spawn(&(auth.clone() + store + &agent), &[("LATTICE_POSTGRES_URL", &url)]).await;
+        let first = lattice.query_with(with_token("a", Some(alice))).await;
+        assert_eq!(first.ok().text, "seen 1", "{store}");
+        let sid = first.session_id();
+        let go_on = |token: &str| QueryOpts { session: Some(sid.clone()), ..with_token("a", Some(token)) };
+
+        let by_bob = lattice.query_with(go_on(bob)).await;
+        assert_eq!(by_bob.status.as_ref().map(|s| s.code()), Some(Code::NotFound), "{store}");
+        let mut client = lattice.client().await;
+        let get = |token: &str| authed(pb::GetSessionRequest { session_id: sid.clone(), ..Default::default() }, token);
+        let delete = |token: &str| authed(pb::DeleteSessionRequest { session_id: sid.clone() }, token);
+        assert_eq!(client.get_session(get(bob)).await.unwrap_err().code(), Code::NotFound);
+        assert_eq!(client.delete_session(delete(bob)).await.unwrap_err().code(), Code::NotFound);
+
+        assert_eq!(client.get_session(get(alice)).await.unwrap().into_inner().messages.len(), 2, "{store}");
+        assert_eq!(lattice.query_with(go_on(alice)).await.ok().text, "seen 3", "bob's attempts changed nothing");
+        client.delete_session(delete(alice)).await.unwrap();
+        assert_eq!(client.get_session(get(alice)).await.unwrap_err().code(), Code::NotFound);
+    }
+}

@@ -39,6 +39,8 @@ struct State {
 #[derive(Debug)]
 struct Slot {
     session: StoredSession,
+    /// The principal that created it ("" with authentication off).
+    owner: String,
     /// The token of the lease that holds it, if any.
     leased: Option<u64>,
     /// Last acquired, committed or read.
@@ -82,6 +84,11 @@ impl MemoryStore {
     }
 }
 
+/// Whether `owner` (if any) owns the slot.
+fn owns(owner: Option<&str>, slot: &Slot) -> bool {
+    owner.is_none_or(|o| slot.owner == o)
+}
+
 /// A lease on one slot.
 #[derive(Debug)]
 struct MemoryLease {
@@ -119,7 +126,13 @@ impl LeaseHolder for MemoryLease {
 }
 
 impl SessionStore for MemoryStore {
-    fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease> {
+    fn acquire_as<'a>(
+        &'a self,
+        session_id: &'a str,
+        agent: &'a str,
+        owner: Option<&'a str>,
+        create: bool,
+    ) -> StoreFuture<'a, Lease> {
         Box::pin(async move {
             let mut state = self.state();
             state.next_token += 1;
@@ -133,11 +146,12 @@ impl SessionStore for MemoryStore {
                     return Err(StoreError::Full(self.inner.max_sessions));
                 }
                 let session = StoredSession { agent: agent.to_owned(), messages: Vec::new() };
-                let slot = Slot { session: session.clone(), leased: Some(token), touched: now };
+                let owner = owner.unwrap_or_default().to_owned();
+                let slot = Slot { session: session.clone(), owner, leased: Some(token), touched: now };
                 state.slots.insert(session_id.to_owned(), slot);
                 session
             } else {
-                let slot = self.live(&mut state, session_id).ok_or(StoreError::NotFound)?;
+                let slot = self.live(&mut state, session_id).filter(|s| owns(owner, s)).ok_or(StoreError::NotFound)?;
                 if slot.leased.is_some() {
                     return Err(StoreError::Busy);
                 }
@@ -152,19 +166,19 @@ impl SessionStore for MemoryStore {
         })
     }
 
-    fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession> {
+    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession> {
         Box::pin(async move {
             let mut state = self.state();
-            let slot = self.live(&mut state, session_id).ok_or(StoreError::NotFound)?;
+            let slot = self.live(&mut state, session_id).filter(|s| owns(owner, s)).ok_or(StoreError::NotFound)?;
             slot.touched = Instant::now();
             Ok(slot.session.clone())
         })
     }
 
-    fn delete<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, ()> {
+    fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let mut state = self.state();
-            match self.live(&mut state, session_id) {
+            match self.live(&mut state, session_id).filter(|s| owns(owner, s)) {
                 None => Err(StoreError::NotFound),
                 Some(s) if s.leased.is_some() => Err(StoreError::Busy),
                 Some(_) => {

@@ -60,12 +60,34 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>>
 /// Where conversations live.
 pub trait SessionStore: Send + Sync + fmt::Debug {
     /// Takes the session's lease for one query, creating the session when
-    /// `create` is set (its id must then be new).
-    fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease>;
-    /// The conversation as last committed.
-    fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession>;
-    /// Deletes a session (refused while a query runs in it).
-    fn delete<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, ()>;
+    /// `create` is set (its id must then be new), owned by `owner`. With an
+    /// owner, a session of another owner is [`StoreError::NotFound`]; with
+    /// none (authentication off), any session is found.
+    fn acquire_as<'a>(
+        &'a self,
+        session_id: &'a str,
+        agent: &'a str,
+        owner: Option<&'a str>,
+        create: bool,
+    ) -> StoreFuture<'a, Lease>;
+    /// The conversation as last committed (of `owner`'s sessions, when set).
+    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession>;
+    /// Deletes a session (of `owner`'s, when set; refused while a query
+    /// runs in it).
+    fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()>;
+
+    /// [`SessionStore::acquire_as`] with no owner.
+    fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease> {
+        self.acquire_as(session_id, agent, None, create)
+    }
+    /// [`SessionStore::get_as`] with no owner.
+    fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession> {
+        self.get_as(session_id, None)
+    }
+    /// [`SessionStore::delete_as`] with no owner.
+    fn delete<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, ()> {
+        self.delete_as(session_id, None)
+    }
     /// Whether the store can serve now (for health).
     fn ready(&self) -> StoreFuture<'_, ()>;
     /// The backend's name, for logs and errors.

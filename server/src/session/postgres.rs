@@ -53,6 +53,9 @@ const MIGRATIONS: &[&str] = &[
         message text NOT NULL,
         PRIMARY KEY (session_id, seq)
     );",
+    // 2: the principal that created each session ('' with authentication
+    // off, and for sessions created before this version).
+    "ALTER TABLE lattice_sessions ADD COLUMN owner text NOT NULL DEFAULT '';",
 ];
 
 /// The migration lock's key ("lattice" in ASCII).
@@ -288,21 +291,27 @@ impl LeaseHolder for PgLease {
 }
 
 impl SessionStore for PostgresStore {
-    fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease> {
+    fn acquire_as<'a>(
+        &'a self,
+        session_id: &'a str,
+        agent: &'a str,
+        owner: Option<&'a str>,
+        create: bool,
+    ) -> StoreFuture<'a, Lease> {
         Box::pin(async move {
             let token = uuid::Uuid::new_v4();
             let client = self.pool.get().await.map_err(pool_error("acquire"))?;
             let (session, version) = if create {
                 let stmt = client
                     .prepare_cached(
-                        "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires)
-                         VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')
+                        "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires, owner)
+                         VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond', $5)
                          ON CONFLICT (id) DO NOTHING",
                     )
                     .await
                     .map_err(db("acquire"))?;
                 let inserted = client
-                    .execute(&stmt, &[&session_id, &agent, &token, &self.ttl_ms()])
+                    .execute(&stmt, &[&session_id, &agent, &token, &self.ttl_ms(), &owner.unwrap_or_default()])
                     .await
                     .map_err(db("acquire"))?;
                 if inserted == 0 {
@@ -315,24 +324,28 @@ impl SessionStore for PostgresStore {
                         "UPDATE lattice_sessions
                          SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond', touched_at = now()
                          WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
+                           AND ($5::text IS NULL OR owner = $5)
                            AND (lease_token IS NULL OR lease_expires < now())
                          RETURNING agent, version, message_count",
                     )
                     .await
                     .map_err(db("acquire"))?;
                 let row = client
-                    .query_opt(&stmt, &[&session_id, &token, &self.ttl_ms(), &self.idle_s()])
+                    .query_opt(&stmt, &[&session_id, &token, &self.ttl_ms(), &self.idle_s(), &owner])
                     .await
                     .map_err(db("acquire"))?;
                 let Some(row) = row else {
                     let exists = client
                         .prepare_cached(
-                            "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'",
+                            "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
+                               AND ($3::text IS NULL OR owner = $3)",
                         )
                         .await
                         .map_err(db("acquire"))?;
-                    let found =
-                        client.query_opt(&exists, &[&session_id, &self.idle_s()]).await.map_err(db("acquire"))?;
+                    let found = client
+                        .query_opt(&exists, &[&session_id, &self.idle_s(), &owner])
+                        .await
+                        .map_err(db("acquire"))?;
                     return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
                 };
                 let (agent, version, count): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
@@ -357,37 +370,42 @@ impl SessionStore for PostgresStore {
         })
     }
 
-    fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession> {
+    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession> {
         Box::pin(async move {
             let client = self.pool.get().await.map_err(pool_error("get"))?;
             let stmt = client
                 .prepare_cached(
                     "SELECT agent, message_count FROM lattice_sessions
-                     WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'",
+                     WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
+                       AND ($3::text IS NULL OR owner = $3)",
                 )
                 .await
                 .map_err(db("get"))?;
-            let row = client.query_opt(&stmt, &[&session_id, &self.idle_s()]).await.map_err(db("get"))?;
+            let row = client.query_opt(&stmt, &[&session_id, &self.idle_s(), &owner]).await.map_err(db("get"))?;
             let row = row.ok_or(StoreError::NotFound)?;
             let (agent, count): (String, i64) = (row.get(0), row.get(1));
             Ok(StoredSession { agent, messages: Self::messages(&client, session_id, count).await? })
         })
     }
 
-    fn delete<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, ()> {
+    fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let client = self.pool.get().await.map_err(pool_error("delete"))?;
             let stmt = client
                 .prepare_cached(
-                    "DELETE FROM lattice_sessions WHERE id = $1 AND (lease_token IS NULL OR lease_expires < now())",
+                    "DELETE FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)
+                       AND (lease_token IS NULL OR lease_expires < now())",
                 )
                 .await
                 .map_err(db("delete"))?;
-            if client.execute(&stmt, &[&session_id]).await.map_err(db("delete"))? == 1 {
+            if client.execute(&stmt, &[&session_id, &owner]).await.map_err(db("delete"))? == 1 {
                 return Ok(());
             }
             let found = client
-                .query_opt("SELECT 1 FROM lattice_sessions WHERE id = $1", &[&session_id])
+                .query_opt(
+                    "SELECT 1 FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)",
+                    &[&session_id, &owner],
+                )
                 .await
                 .map_err(db("delete"))?;
             Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound })
