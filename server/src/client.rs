@@ -26,6 +26,8 @@ pub struct QueryArgs {
     pub show_requests: bool,
     /// The query's deadline.
     pub timeout: Duration,
+    /// A bearer token to send (`[server.auth] mode = "token"`).
+    pub token: Option<String>,
 }
 
 fn block_text(b: &pb::ContentBlock, indent: &str) -> String {
@@ -64,6 +66,9 @@ pub enum QueryError {
     /// The query ended with an error status (already printed).
     #[error("{}: {}", crate::status::code_name(.0.code()), .0.message())]
     Status(tonic::Status),
+    /// The token could not be used (never repeated).
+    #[error("token: {0}")]
+    Token(String),
 }
 
 /// How long `lattice query` tries to connect.
@@ -105,6 +110,12 @@ pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<
         include_model_requests: args.show_requests,
     });
     request.set_timeout(args.timeout);
+    if let Some(token) = &args.token {
+        let value = format!("Bearer {}", token.trim())
+            .parse()
+            .map_err(|_| QueryError::Token("the token holds characters a header can't carry".to_owned()))?;
+        request.metadata_mut().insert("authorization", value);
+    }
     let mut stream = match client.query(request).await {
         Ok(r) => r.into_inner(),
         Err(s) => {

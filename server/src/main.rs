@@ -60,6 +60,10 @@ enum Command {
         /// The query's deadline in seconds.
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
+        /// A file holding the bearer token to send ([server.auth] mode
+        /// "token"); LATTICE_TOKEN, if set, is used otherwise.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
         /// The prompt.
         prompt: String,
     },
@@ -207,8 +211,19 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 }
             }
         }
-        Command::Query { addr, agent, session, show_requests, timeout_secs, prompt } => {
+        Command::Query { addr, agent, session, show_requests, timeout_secs, token_file, prompt } => {
+            let token = match &token_file {
+                Some(path) => match std::fs::read_to_string(path) {
+                    Ok(t) => Some(t.trim().to_owned()),
+                    Err(e) => {
+                        eprintln!("lattice query: cannot read {}: {e}", path.display());
+                        return ExitCode::from(EXIT_CONFIG);
+                    }
+                },
+                None => std::env::var("LATTICE_TOKEN").ok().filter(|t| !t.trim().is_empty()),
+            };
             let args = client::QueryArgs {
+                token,
                 addr,
                 agent,
                 session,

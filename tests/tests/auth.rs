@@ -191,3 +191,36 @@ async fn sessions_belong_to_their_owner() {
         assert_eq!(client.get_session(get(alice)).await.unwrap_err().code(), Code::NotFound);
     }
 }
+
+/// `lattice query` sends a token from `--token-file` or `LATTICE_TOKEN`;
+/// without one it prints UNAUTHENTICATED and exits 1.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_sends_a_token() {
+    let dir = temp_dir("auth-cli");
+    let tokens = dir.join("tokens.txt");
+    tokens_file(&tokens, &[("alice", "cli-token-31")]);
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, "cli-token-31\n").unwrap();
+    let config = format!("[server.auth]\nmode = \"token\"\ntokens_file = {:?}\n", tokens.display().to_string())
+        + &cfg::agent("echo", "")
+        + &cfg::turn("you said: {{last_user_text}}", &[]);
+    let lattice = Lattice::start(&config).await;
+    let run = |extra: &[&str], env: Option<&str>| {
+        let mut cmd = std::process::Command::new(lattice_tests::workspace_binary("lattice"));
+        cmd.args(["query", "--addr", &lattice.url, "--agent", "echo"]).args(extra).arg("hi");
+        cmd.env_remove("LATTICE_TOKEN");
+        if let Some(t) = env {
+            cmd.env("LATTICE_TOKEN", t);
+        }
+        let out = cmd.output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (code, text) = run(&["--token-file", token_file.to_str().unwrap()], None);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("you said: hi"), "{text}");
+    let (code, text) = run(&[], Some("cli-token-31"));
+    assert_eq!(code, Some(0), "{text}");
+    let (code, text) = run(&[], None);
+    assert_eq!(code, Some(1));
+    assert!(text.contains("UNAUTHENTICATED"), "{text}");
+}
