@@ -63,6 +63,9 @@ pub mod defaults {
     /// The listen address.
     pub const LISTEN: std::net::SocketAddr =
         std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 50051);
+    /// Where `/metrics` is served: loopback only.
+    pub const ADMIN_LISTEN: std::net::SocketAddr =
+        std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 9090);
     /// Output tokens per model request.
     pub const MODEL_MAX_TOKENS: u32 = 4096;
     /// One model request's deadline, retries included.
@@ -109,6 +112,7 @@ struct RawSessions {
 #[derive(Debug, Default, Deserialize)]
 struct RawServer {
     listen: Option<Spanned<String>>,
+    admin_listen: Option<Spanned<String>>,
     max_concurrent_queries: Option<usize>,
     max_message_bytes: Option<usize>,
     hook_max_message_bytes: Option<usize>,
@@ -382,6 +386,9 @@ impl fmt::Debug for PostgresSettings {
 pub struct ServerSettings {
     /// Where to listen (the CLI's `--listen` wins).
     pub listen: SocketAddr,
+    /// Where `/metrics` is served, never on the API port (`None`: off; the
+    /// CLI's `--admin-listen` wins).
+    pub admin_listen: Option<SocketAddr>,
     /// Queries served at once; the excess gets RESOURCE_EXHAUSTED.
     pub max_concurrent_queries: usize,
     /// Largest gRPC message to or from a client (and so largest event).
@@ -757,6 +764,15 @@ fn parse_with(
     }
 }
 
+/// `server.admin_listen` (and `--admin-listen`): an address, or "off".
+/// `None` inside: malformed.
+pub fn parse_admin_listen(value: &str) -> Option<Option<SocketAddr>> {
+    match value {
+        "off" => Some(None),
+        addr => addr.parse().ok().map(Some),
+    }
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text.get(..offset).map_or(1, |t| t.matches('\n').count() + 1)
 }
@@ -996,6 +1012,17 @@ impl Validator<'_> {
             }),
             None => defaults::LISTEN,
         };
+        let admin_listen = match &s.admin_listen {
+            Some(a) => parse_admin_listen(a.get_ref()).unwrap_or_else(|| {
+                self.problem(
+                    Some(a.span()),
+                    "server.admin_listen",
+                    format!("{:?} is not an address like 127.0.0.1:9090, nor \"off\"", a.get_ref()),
+                );
+                None
+            }),
+            None => Some(defaults::ADMIN_LISTEN),
+        };
         for (v, f) in [
             (s.max_concurrent_queries.map(|v| v as u64), "server.max_concurrent_queries"),
             (s.max_message_bytes.map(|v| v as u64), "server.max_message_bytes"),
@@ -1017,6 +1044,7 @@ impl Validator<'_> {
         }
         ServerSettings {
             listen,
+            admin_listen,
             max_concurrent_queries: s.max_concurrent_queries.unwrap_or(defaults::MAX_CONCURRENT_QUERIES).max(1),
             max_message_bytes: s.max_message_bytes.unwrap_or(defaults::MAX_MESSAGE_BYTES).max(1),
             hook_max_message_bytes: s.hook_max_message_bytes.unwrap_or(defaults::PEER_MAX_MESSAGE_BYTES).max(1),

@@ -75,6 +75,14 @@ pub enum ServeError {
     /// `[server.auth]` could not be set up (the tokens file).
     #[error("auth: {0}")]
     Auth(String),
+    /// The admin port could not be opened.
+    #[error("admin port {addr}: {source}")]
+    Admin {
+        /// `server.admin_listen`.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
 }
 
 /// Serves `config` on `listener` until `shutdown` resolves, then stops
@@ -84,6 +92,11 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    // Opened first: a port that can't be had stops start-up at once.
+    let admin = match config.server.admin_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Admin { addr, source })?),
+        None => None,
+    };
     let runtime = Arc::new(Runtime::build(&config).await?);
     let metrics = runtime.metrics.clone();
     let max = config.server.max_message_bytes;
@@ -155,10 +168,13 @@ pub async fn run(
     };
     let mut grpc = tonic::service::Routes::builder();
     grpc.add_service(health_svc).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);
-    // Prometheus scrapes over HTTP/1.1; gRPC stays on HTTP/2 on the same port.
-    let router = grpc.routes().into_axum_router().route_service("/metrics", metrics::Endpoint(metrics));
+    // The API port serves gRPC only; /metrics is on the admin port.
+    if let Some(admin) = admin {
+        info!(addr = ?admin.local_addr().ok(), "admin port: /metrics");
+        tokio::spawn(metrics::serve_admin(admin, metrics));
+    }
+    let router = grpc.routes().into_axum_router();
     tonic::transport::Server::builder()
-        .accept_http1(true)
         .add_routes(router.into())
         .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await?;

@@ -36,6 +36,10 @@ enum Command {
         /// Listen address (overrides server.listen).
         #[arg(long)]
         listen: Option<SocketAddr>,
+        /// The admin port's address, or "off" (overrides
+        /// server.admin_listen).
+        #[arg(long)]
+        admin_listen: Option<String>,
     },
     /// Validate a config file and list every problem.
     CheckConfig {
@@ -188,12 +192,23 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 ExitCode::from(EXIT_CONFIG)
             }
         },
-        Command::Serve { config, listen } => {
-            let Some(cfg) = loaded else {
+        Command::Serve { config, listen, admin_listen } => {
+            let Some(mut cfg) = loaded else {
                 eprintln!("lattice: {} was not loaded", config.display());
                 return ExitCode::from(EXIT_CONFIG);
             };
             let addr = listen.unwrap_or(cfg.server.listen);
+            if let Some(admin) = admin_listen {
+                match config::parse_admin_listen(&admin) {
+                    Some(a) => cfg.server.admin_listen = a,
+                    None => {
+                        eprintln!(
+                            "lattice: --admin-listen {admin:?} is not an address like 127.0.0.1:9090, nor \"off\""
+                        );
+                        return ExitCode::from(EXIT_CONFIG);
+                    }
+                }
+            }
             let signal = shutdown_signal();
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,

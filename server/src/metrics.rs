@@ -1,5 +1,6 @@
-//! Prometheus metrics, served as text at `GET /metrics` on the gRPC port
-//! (plain HTTP/1.1, so any scraper reads it).
+//! Prometheus metrics, served as text at `GET /metrics` on the admin port
+//! (`server.admin_listen`, plain HTTP/1.1, so any scraper reads it), never
+//! on the API port.
 //!
 //! Label values are names from the config (agent, hook, tool, provider),
 //! status codes and outcome kinds: never anything from a request's payload.
@@ -8,14 +9,11 @@
 
 use std::{
     collections::BTreeMap,
-    convert::Infallible,
     fmt::Write as _,
-    future::{Ready, ready},
     sync::{
         Arc, Mutex,
         atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering},
     },
-    task::{Context, Poll},
     time::Duration,
 };
 
@@ -354,25 +352,26 @@ fn escape(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-/// `GET /metrics`: a tower service for the server's HTTP routes.
-#[derive(Debug, Clone)]
-pub struct Endpoint(pub Arc<Metrics>);
-
-impl<B> tower::Service<http::Request<B>> for Endpoint {
-    type Response = http::Response<String>;
-    type Error = Infallible;
-    type Future = Ready<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _req: http::Request<B>) -> Self::Future {
-        let mut response = http::Response::new(self.0.render());
-        response
-            .headers_mut()
-            .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
-        ready(Ok(response))
+/// Serves `GET /metrics` (HTTP/1.1) on the admin listener until the
+/// process ends; any other path is 404.
+pub async fn serve_admin(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let response = if req.uri().path() == "/metrics" {
+                    http::Response::builder()
+                        .header(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")
+                        .body(metrics.render())
+                } else {
+                    http::Response::builder().status(http::StatusCode::NOT_FOUND).body(String::new())
+                };
+                std::future::ready(response)
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+        });
     }
 }
 

@@ -74,17 +74,27 @@ pub struct Lattice {
     handle: Option<JoinHandle<Result<(), String>>>,
     /// When run as a process: the process and its log file.
     process: Option<(Child, PathBuf)>,
+    /// Its admin port (`/metrics`), when started here.
+    admin: Option<SocketAddr>,
 }
 
-/// `config` with `server.trace_dir` set (in its `[server]` table if it has
-/// one).
-fn with_trace_dir(config: &str, trace_dir: &Path) -> String {
-    let line = format!("trace_dir = {:?}", trace_dir.display().to_string());
+/// `config` with test keys in its `[server]` table: a trace directory, and
+/// the admin port (a free one, or off).
+fn with_server_keys(config: &str, trace_dir: &Path, admin: Option<SocketAddr>) -> String {
+    let admin = admin.map_or("\"off\"".to_owned(), |a| format!("\"{a}\""));
+    let line = format!("trace_dir = {:?}\nadmin_listen = {admin}", trace_dir.display().to_string());
     if config.contains("[server]") {
         config.replacen("[server]", &format!("[server]\n{line}"), 1)
     } else {
         format!("{config}\n[server]\n{line}\n")
     }
+}
+
+/// A loopback address nothing listens on yet (bound, then released).
+async fn free_addr() -> SocketAddr {
+    let (l, addr) = bind().await;
+    drop(l);
+    addr
 }
 
 /// A fresh empty directory under the system temp dir.
@@ -129,7 +139,8 @@ impl Lattice {
     async fn launch(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
         capture_logs();
         let trace_dir = temp_dir("trace");
-        let config = with_trace_dir(config, &trace_dir);
+        let admin = free_addr().await;
+        let config = with_server_keys(config, &trace_dir, Some(admin));
         let lookup = |var: &str| {
             env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned()).or_else(|| std::env::var(var).ok())
         };
@@ -151,6 +162,7 @@ impl Lattice {
             shutdown: Some(tx),
             handle: Some(handle),
             process: None,
+            admin: Some(admin),
         };
         // Ready when health answers (set-up, e.g. tool discovery, is done);
         // a set-up error ends `run` early.
@@ -177,7 +189,8 @@ impl Lattice {
         let dir = temp_dir("proc");
         let trace_dir = dir.join("traces");
         let config_path = dir.join("lattice.toml");
-        std::fs::write(&config_path, with_trace_dir(config, &trace_dir)).unwrap();
+        let admin = free_addr().await;
+        std::fs::write(&config_path, with_server_keys(config, &trace_dir, Some(admin))).unwrap();
         let (l, addr) = bind().await;
         drop(l);
         let log_path = dir.join("lattice.log");
@@ -198,6 +211,7 @@ impl Lattice {
             shutdown: None,
             handle: None,
             process: Some((Child(child), log_path.clone())),
+            admin: Some(admin),
         };
         let deadline = Instant::now() + Duration::from_secs(15);
         while !lattice.healthy().await {
@@ -213,13 +227,19 @@ impl Lattice {
 
     /// A client of a Lattice at `url`, without waiting for anything.
     pub fn remote_unchecked(url: &str) -> Lattice {
-        Lattice { url: url.to_owned(), trace_dir: temp_dir("remote"), shutdown: None, handle: None, process: None }
+        Lattice {
+            url: url.to_owned(),
+            trace_dir: temp_dir("remote"),
+            shutdown: None,
+            handle: None,
+            process: None,
+            admin: None,
+        }
     }
 
     /// A client of a Lattice running elsewhere (a container), once healthy.
     pub async fn remote(url: &str) -> Arc<Lattice> {
-        let lattice =
-            Lattice { url: url.to_owned(), trace_dir: temp_dir("remote"), shutdown: None, handle: None, process: None };
+        let lattice = Lattice::remote_unchecked(url);
         let deadline = Instant::now() + Duration::from_secs(15);
         while !lattice.healthy().await {
             assert!(Instant::now() < deadline, "lattice at {url} is not healthy");
@@ -282,7 +302,8 @@ impl Lattice {
     /// `GET /metrics` over HTTP/1.1 on the gRPC port: the Prometheus text.
     pub async fn metrics(&self) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let addr = self.url.trim_start_matches("http://");
+        let addr = self.admin.expect("an admin port (a Lattice started by this helper)").to_string();
+        let addr = addr.as_str();
         let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connecting for /metrics");
         let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
         conn.write_all(request.as_bytes()).await.expect("sending GET /metrics");

@@ -224,3 +224,23 @@ async fn the_cli_sends_a_token() {
     assert_eq!(code, Some(1));
     assert!(text.contains("UNAUTHENTICATED"), "{text}");
 }
+
+/// /metrics is on the admin port only: the API port serves gRPC and
+/// nothing else; `--admin-listen` (or server.admin_listen) moves it.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_are_on_the_admin_port_only() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let lattice = Lattice::start(&(cfg::agent("a", "") + &cfg::turn("hi", &[]))).await;
+    lattice.query("a", "go").await.ok();
+    assert!(lattice.metrics().await.contains("lattice_queries_total{agent=\"a\",code=\"OK\"} 1"));
+    let api = lattice.url.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&api).await.unwrap();
+    conn.write_all(format!("GET /metrics HTTP/1.1\r\nHost: {api}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut response)).await;
+    let response = String::from_utf8_lossy(&response);
+    assert!(!response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(!response.contains("lattice_queries_total"), "{response}");
+}

@@ -320,8 +320,8 @@ async fn main() {
     // Lattice with 0/1/3/8 tool_result hooks and 3 on both events, on 1 KiB.
     // Every query starts a session: room for all of them.
     let limits = format!(
-        "[server]\nmax_message_bytes = {0}\nhook_max_message_bytes = {0}\ntool_max_message_bytes = {0}\n{workers}\
-         [sessions]\nmax_sessions = 100000000\n",
+        "[server]\nadmin_listen = \"off\"\nmax_message_bytes = {0}\nhook_max_message_bytes = {0}\ntool_max_message_bytes = {0}\n{workers}\
+         [server.auth]\nmode = \"none\"\n[sessions]\nmax_sessions = 100000000\n",
         64 * MIB
     );
     let agent = |name: &str, tool: &Proc, hooks: &[Proc], events: &[&str]| {
