@@ -9,8 +9,8 @@
 //! [`RELOAD_EVERY`]); a file that no longer parses keeps the previous table
 //! and says why in the log.
 //!
-//! Mode `none` (or no `[server.auth]`, which start-up warns about): every
-//! caller is let in, as the principal [`ANONYMOUS`].
+//! Mode `none` (which a config must say: without `[server.auth]` Lattice
+//! does not start): every caller is let in, as the principal [`ANONYMOUS`].
 
 use std::{
     path::{Path, PathBuf},
@@ -120,14 +120,10 @@ impl Authenticator {
     /// now and starts watching it (needs a Tokio runtime).
     pub fn new(settings: &AuthSettings) -> Result<Authenticator, String> {
         let tokens = match &settings.mode {
-            AuthMode::Unset => {
-                warn!(
-                    "no [server.auth]: every client may run every agent and read every session; \
-                     set mode = \"token\", or mode = \"none\" to run open on purpose"
-                );
+            AuthMode::None => {
+                info!("auth: none (server.auth.mode): every client may run every agent");
                 None
             }
-            AuthMode::None => None,
             AuthMode::Token { tokens_file } => {
                 let table = TokenTable::read(tokens_file)?;
                 info!(path = %tokens_file.display(), tokens = table.len(), "auth: bearer tokens");

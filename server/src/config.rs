@@ -436,10 +436,8 @@ pub struct AuthSettings {
 /// How clients prove who they are.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub enum AuthMode {
-    /// No `[server.auth]`: open, with a warning at start-up.
-    #[default]
-    Unset,
     /// `mode = "none"`: open, said on purpose.
+    #[default]
     None,
     /// `mode = "token"`: a bearer token whose SHA-256 is in this file.
     Token {
@@ -1065,7 +1063,16 @@ impl Validator<'_> {
     }
 
     fn auth(&mut self, auth: Option<Spanned<RawAuth>>) -> AuthSettings {
-        let Some(auth) = auth else { return AuthSettings::default() };
+        let Some(auth) = auth else {
+            // Secure by default: running open must be said.
+            self.problem(
+                None,
+                "server.auth",
+                "missing: add [server.auth] with mode = \"token\" (bearer tokens), or mode = \"none\" to let \
+                 every client run every agent and read every session",
+            );
+            return AuthSettings::default();
+        };
         let span = auth.span();
         let raw = auth.into_inner();
         let mode = match raw.mode.as_ref().map(|m| m.get_ref().as_str()) {

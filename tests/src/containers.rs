@@ -175,7 +175,7 @@ pub async fn start_lattice_with(
         image = image.with_env_var(*k, *v);
     }
     image
-        .with_copy_to("/etc/lattice/lattice.toml", config.as_bytes().to_vec())
+        .with_copy_to("/etc/lattice/lattice.toml", crate::with_open_auth(config).into_bytes())
         .with_startup_timeout(Duration::from_secs(30))
         .start()
         .await

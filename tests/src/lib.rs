@@ -78,15 +78,26 @@ pub struct Lattice {
     admin: Option<SocketAddr>,
 }
 
-/// `config` with test keys in its `[server]` table: a trace directory, and
-/// the admin port (a free one, or off).
-fn with_server_keys(config: &str, trace_dir: &Path, admin: Option<SocketAddr>) -> String {
-    let admin = admin.map_or("\"off\"".to_owned(), |a| format!("\"{a}\""));
-    let line = format!("trace_dir = {:?}\nadmin_listen = {admin}", trace_dir.display().to_string());
-    if config.contains("[server]") {
+/// `config` with `server.trace_dir` set (in its `[server]` table if it has
+/// one: one line more there, which line numbers in errors count) and open
+/// auth unless it says otherwise (appended at the end).
+fn with_test_keys(config: &str, trace_dir: &Path) -> String {
+    let line = format!("trace_dir = {:?}", trace_dir.display().to_string());
+    let config = if config.contains("[server]") {
         config.replacen("[server]", &format!("[server]\n{line}"), 1)
     } else {
         format!("{config}\n[server]\n{line}\n")
+    };
+    with_open_auth(&config)
+}
+
+/// `config` with `[server.auth] mode = "none"` unless it says how clients
+/// authenticate (a config must: tests that are not about auth run open).
+pub fn with_open_auth(config: &str) -> String {
+    if config.contains("[server.auth]") {
+        config.to_owned()
+    } else {
+        format!("{config}\n[server.auth]\nmode = \"none\"\n")
     }
 }
 
@@ -140,12 +151,13 @@ impl Lattice {
         capture_logs();
         let trace_dir = temp_dir("trace");
         let admin = free_addr().await;
-        let config = with_server_keys(config, &trace_dir, Some(admin));
+        let config = with_test_keys(config, &trace_dir);
         let lookup = |var: &str| {
             env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned()).or_else(|| std::env::var(var).ok())
         };
-        let cfg = lattice_server::config::parse_with_env(&config, Path::new("test.toml"), &lookup)
+        let mut cfg = lattice_server::config::parse_with_env(&config, Path::new("test.toml"), &lookup)
             .map_err(|e| e.to_string())?;
+        cfg.server.admin_listen = Some(admin);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
@@ -190,7 +202,7 @@ impl Lattice {
         let trace_dir = dir.join("traces");
         let config_path = dir.join("lattice.toml");
         let admin = free_addr().await;
-        std::fs::write(&config_path, with_server_keys(config, &trace_dir, Some(admin))).unwrap();
+        std::fs::write(&config_path, with_test_keys(config, &trace_dir)).unwrap();
         let (l, addr) = bind().await;
         drop(l);
         let log_path = dir.join("lattice.log");
@@ -198,7 +210,7 @@ impl Lattice {
         let child = tokio::process::Command::new(workspace_binary("lattice"))
             .args(["--log-format", "json", "serve", "--config"])
             .arg(&config_path)
-            .args(["--listen", &addr.to_string()])
+            .args(["--listen", &addr.to_string(), "--admin-listen", &admin.to_string()])
             .env("RUST_LOG", "trace")
             .envs(env.iter().copied())
             .stderr(log)

@@ -699,7 +699,7 @@ deadline_ms = 20000
 async fn check_config_warns_about_missing_api_keys() {
     let dir = lattice_tests::temp_dir("check");
     let path = dir.join("lattice.toml");
-    let config = "[[agents]]\nname = \"a\"\n[agents.model]\nprovider = \"anthropic\"\nname = \"m\"\napi_key_env = \"LATTICE_TEST_UNSET_KEY\"\n";
+    let config = "[server.auth]\nmode = \"none\"\n[[agents]]\nname = \"a\"\n[agents.model]\nprovider = \"anthropic\"\nname = \"m\"\napi_key_env = \"LATTICE_TEST_UNSET_KEY\"\n";
     std::fs::write(&path, config).unwrap();
     let check = std::process::Command::new(lattice_tests::workspace_binary("lattice"))
         .args(["check-config", "--config"])

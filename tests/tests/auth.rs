@@ -143,6 +143,8 @@ async fn auth_config_mistakes_are_named() {
         ("[server.auth]\nmode = \"token\"\n", "server.auth.tokens_file"),
         ("[server.auth]\nmode = \"kerberos\"\n", "server.auth.mode"),
         ("[server.auth]\nadmins = [\"ops\"]\n", "server.auth.mode"),
+        // Secure by default: running open must be said.
+        ("", "server.auth: missing"),
     ] {
         let path = temp_dir("auth-config").join("lattice.toml");
         std::fs::write(&path, table.to_owned() + &cfg::agent("a", "") + &cfg::turn("hi", &[])).unwrap();
