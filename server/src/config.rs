@@ -127,6 +127,15 @@ struct RawServer {
     worker_threads: Option<usize>,
     trace_dir: Option<PathBuf>,
     auth: Option<Spanned<RawAuth>>,
+    #[serde(default)]
+    limits: RawLimits,
+}
+
+/// `[server.limits]`: per principal.
+#[derive(Debug, Default, Deserialize)]
+struct RawLimits {
+    queries_in_flight: Option<usize>,
+    queries_per_minute: Option<u32>,
 }
 
 /// `[server.auth]`: who may call.
@@ -422,6 +431,8 @@ pub struct ServerSettings {
     pub worker_threads: Option<usize>,
     /// Who may call (`[server.auth]`).
     pub auth: AuthSettings,
+    /// Per-principal limits (`[server.limits]`).
+    pub limits: crate::limits::LimitSettings,
 }
 
 /// `[server.auth]`.
@@ -1030,6 +1041,8 @@ impl Validator<'_> {
             (s.hook_deadline_ceiling_ms, "server.hook_deadline_ceiling_ms"),
             (s.query_deadline_ms, "server.query_deadline_ms"),
             (s.tool_discovery_timeout_ms, "server.tool_discovery_timeout_ms"),
+            (s.limits.queries_in_flight.map(|v| v as u64), "server.limits.queries_in_flight"),
+            (s.limits.queries_per_minute.map(u64::from), "server.limits.queries_per_minute"),
         ] {
             if v == Some(0) {
                 self.problem(None, f, "must be at least 1");
@@ -1058,6 +1071,10 @@ impl Validator<'_> {
                 .map(ms),
             worker_threads: s.worker_threads.map(|n| n.max(1)),
             auth: self.auth(s.auth),
+            limits: crate::limits::LimitSettings {
+                queries_in_flight: s.limits.queries_in_flight,
+                queries_per_minute: s.limits.queries_per_minute,
+            },
             hook_default_deadline: ms(s.hook_deadline_ms.unwrap_or(defaults::HOOK_DEADLINE_MS).min(ceiling)),
         }
     }

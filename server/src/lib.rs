@@ -34,6 +34,7 @@ pub mod example_tools;
 pub mod health;
 pub mod hookcheck;
 pub mod hooks;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod model;

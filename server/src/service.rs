@@ -18,6 +18,7 @@ use crate::{
     auth::{Authenticator, Principal},
     domain::Scope,
     events::{self, EventTx, Out},
+    limits::Limits,
     peer,
     session::{SessionStore, StoreError},
     status,
@@ -36,6 +37,8 @@ pub struct AgentSvc {
     store: Arc<dyn SessionStore>,
     /// Who is calling.
     auth: Arc<Authenticator>,
+    /// Per-principal limits.
+    limits: Arc<Limits>,
     /// Queries in flight across all sessions; the excess is refused.
     queries: Arc<Semaphore>,
 }
@@ -44,7 +47,8 @@ impl AgentSvc {
     /// A service over `runtime` and `store`.
     pub fn new(runtime: Arc<Runtime>, store: Arc<dyn SessionStore>, auth: Arc<Authenticator>) -> Self {
         let limit = runtime.settings.max_concurrent_queries;
-        Self { runtime, store, auth, queries: Arc::new(Semaphore::new(limit)) }
+        let limits = Limits::new(runtime.settings.limits);
+        Self { runtime, store, auth, limits, queries: Arc::new(Semaphore::new(limit)) }
     }
 }
 
@@ -166,6 +170,7 @@ impl AgentService for AgentSvc {
             .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&req.agent))))?;
         // Before anything is touched: no session, no tool, no model.
         self.may_query(&principal, &agent)?;
+        let admitted = self.limits.admit(&principal.name)?;
         if req.prompt.trim().is_empty() {
             return Err(Status::invalid_argument("prompt must not be empty"));
         }
@@ -213,6 +218,7 @@ impl AgentService for AgentSvc {
         let in_flight = self.runtime.metrics.query_started();
         let driver = async move {
             let _permit = permit;
+            let _admitted = admitted;
             let _in_flight = in_flight;
             let _ = out_tx.send(Out::Event(PbEvent::Started(started))).await;
             // The loop owns the history from here (no copy of it is kept).

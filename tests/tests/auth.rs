@@ -246,3 +246,42 @@ async fn metrics_are_on_the_admin_port_only() {
     assert!(!response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(!response.contains("lattice_queries_total"), "{response}");
 }
+
+/// [server.limits] per principal: one principal over its queries in flight
+/// or its queries per minute gets RESOURCE_EXHAUSTED with a RetryInfo, and
+/// nothing runs; another principal is not held back.
+#[tokio::test(flavor = "multi_thread")]
+async fn per_principal_limits_refuse_with_a_retry_hint() {
+    use tonic_types::StatusExt;
+    let dir = temp_dir("auth-limits");
+    let tokens = dir.join("tokens.txt");
+    let (alice, bob) = ("alice-limit-token", "bob-limit-token");
+    tokens_file(&tokens, &[("alice", alice), ("bob", bob)]);
+    let config = format!(
+        "[server.limits]\nqueries_in_flight = 1\nqueries_per_minute = 3\n\
+         [server.auth]\nmode = \"token\"\ntokens_file = {:?}\n",
+        tokens.display().to_string()
+    ) + &cfg::agent("slow", "")
+        + "[[agents.model.script]]\ntext = \"done\"\ndelay_ms = 600\n";
+    let lattice = std::sync::Arc::new(Lattice::start(&config).await);
+    let running = {
+        let lattice = lattice.clone();
+        tokio::spawn(async move { lattice.query_with(with_token("slow", Some(alice))).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = lattice.query_with(with_token("slow", Some(alice))).await;
+    let status = second.status.expect("refused");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.get_details_retry_info().and_then(|r| r.retry_delay).is_some(), "{status:?}");
+    assert!(status.message().contains("queries_in_flight"), "{status:?}");
+    assert_eq!(lattice.query_with(with_token("slow", Some(bob))).await.ok().text, "done", "bob is not held back");
+    assert_eq!(running.await.unwrap().ok().text, "done");
+
+    // Alice has started 1 of her 3 a minute (the refused one counts none).
+    for _ in 0..2 {
+        assert_eq!(lattice.query_with(with_token("slow", Some(alice))).await.ok().text, "done");
+    }
+    let over = lattice.query_with(with_token("slow", Some(alice))).await.status.expect("over the rate");
+    assert_eq!(over.code(), Code::ResourceExhausted);
+    assert!(over.message().contains("queries_per_minute") && over.message().contains("retry in"), "{over:?}");
+}
