@@ -63,6 +63,22 @@ impl AgentSvc {
         Err(Status::permission_denied(format!("{:?} may not query agent {:?}", principal.name, agent.def.name)))
     }
 
+    /// An agent as `principal` may see it: whole for an admin (or with
+    /// authentication off); without its hooks' and tools' endpoints
+    /// otherwise.
+    fn describe(&self, principal: &Principal, agent: &AgentRuntime) -> pb::Agent {
+        let mut described = agent_to_pb(agent);
+        if self.auth.enabled() && !principal.admin {
+            for hook in &mut described.hooks {
+                hook.endpoint.clear();
+            }
+            for tool in &mut described.tools {
+                tool.target.clear();
+            }
+        }
+        described
+    }
+
     /// Whose sessions a caller sees: its own when authentication is on
     /// (another's is NOT_FOUND: its existence is not revealed), any when off.
     fn owner<'a>(&self, principal: &'a Principal) -> Option<&'a str> {
@@ -318,18 +334,29 @@ impl AgentService for AgentSvc {
         &self,
         request: Request<pb::ListAgentsRequest>,
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
-        self.auth.authenticate(request.metadata())?;
-        Ok(Response::new(pb::ListAgentsResponse { agents: self.runtime.agents().map(|a| agent_to_pb(a)).collect() }))
+        let principal = self.auth.authenticate(request.metadata())?;
+        // Each caller sees the agents it may query (an admin, all); only
+        // admins see where their hooks and tools are.
+        let agents = self
+            .runtime
+            .agents()
+            .filter(|a| principal.admin || self.may_query(&principal, a).is_ok())
+            .map(|a| self.describe(&principal, a))
+            .collect();
+        Ok(Response::new(pb::ListAgentsResponse { agents }))
     }
 
     async fn get_agent(&self, request: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
-        self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(request.metadata())?;
         let name = request.into_inner().name;
         let agent = self
             .runtime
             .agent(&name)
             .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&name))))?;
-        Ok(Response::new(agent_to_pb(agent)))
+        if !principal.admin {
+            self.may_query(&principal, agent)?;
+        }
+        Ok(Response::new(self.describe(&principal, agent)))
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {

@@ -49,7 +49,8 @@ fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
 async fn bearer_tokens_authenticate_and_agents_authorize() {
     let dir = temp_dir("auth");
     let tokens = dir.join("tokens.txt");
-    let (alice, bob, ops) = ("alice-token-7f3a91", "bob-token-52c0d4", "ops-token-e81b2f");
+    let (alice, bob, ops): (&'static str, &'static str, &'static str) =
+        ("alice-token-7f3a91", "bob-token-52c0d4", "ops-token-e81b2f");
     tokens_file(&tokens, &[("alice", alice), ("bob", bob), ("ops", ops)]);
     let tools = ToolServer::start(vec![ToolDef::new("t", "the tool ran")]).await;
     let hook = HookServer::start(Behaviour::default()).await;
@@ -89,7 +90,21 @@ async fn bearer_tokens_authenticate_and_agents_authorize() {
     assert_eq!(client.test_hooks(authed(dry(), alice)).await.unwrap_err().code(), Code::PermissionDenied);
     assert!(client.test_hooks(authed(dry(), ops)).await.unwrap().into_inner().completed);
     assert_eq!(client.list_agents(pb::ListAgentsRequest {}).await.unwrap_err().code(), Code::Unauthenticated);
-    assert_eq!(client.list_agents(authed(pb::ListAgentsRequest {}, bob)).await.unwrap().into_inner().agents.len(), 2);
+    // Each sees the agents it may query; only an admin sees endpoints.
+    let seen_by = |token: &'static str| {
+        let mut client = client.clone();
+        async move { client.list_agents(authed(pb::ListAgentsRequest {}, token)).await.unwrap().into_inner().agents }
+    };
+    let bobs = seen_by(bob).await;
+    assert_eq!(bobs.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["open"]);
+    let alices = seen_by(alice).await;
+    let support = alices.iter().find(|a| a.name == "support").expect("alice sees support");
+    assert_eq!((support.hooks[0].endpoint.as_str(), support.tools[0].target.as_str()), ("", ""));
+    let ops_view = seen_by(ops).await;
+    let support = ops_view.iter().find(|a| a.name == "support").unwrap();
+    assert_eq!(support.hooks[0].endpoint, hook.url, "an admin sees where the hooks are");
+    let get = authed(pb::GetAgentRequest { name: "support".into() }, bob);
+    assert_eq!(client.get_agent(get).await.unwrap_err().code(), Code::PermissionDenied);
 
     // Alice's token is revoked: the file is re-read within a second or two.
     tokens_file(&tokens, &[("bob", bob), ("ops", ops)]);
