@@ -54,15 +54,15 @@ pub async fn test_hooks(
             let (input, id) = (convert::from_struct(t.input), result.tool_use_id.clone());
             let call = ToolCallView { tool_name: &t.tool_name, tool_use_id: &id, input: &input, error, source };
             let steps = &mut response.steps;
-            let observe = |o: Observed<'_, ToolResult>| {
+            let mut observe = |o: Observed<'_, ToolResult>| {
                 let mut step = step_of(&o);
                 if let Ok(value) = o.outcome {
                     step.tool_result = Some(value.into());
                 }
                 steps.push(step);
             };
-            let ran =
-                agent.hooks.on_tool_result_observed(Step { scope: &scope, turn: 1 }, &call, result, observe).await;
+            let step = Step { scope: &scope, turn: 1 };
+            let ran = agent.hooks.on_tool_result_observed(step, &call, result, Some(&mut observe)).await;
             if let Ok(value) = ran {
                 response.completed = true;
                 response.tool_result = Some((&value).into());
@@ -79,7 +79,7 @@ pub async fn test_hooks(
             let tools = agent.tools().map(|t| t.specs.clone()).unwrap_or_default();
             let request = ModelRequest { system: m.system, messages, tools };
             let steps = &mut response.steps;
-            let observe = |o: Observed<'_, ModelRequest>| {
+            let mut observe = |o: Observed<'_, ModelRequest>| {
                 let mut step = step_of(&o);
                 if let Ok(value) = o.outcome {
                     step.system = value.system.clone();
@@ -88,7 +88,8 @@ pub async fn test_hooks(
                 steps.push(step);
             };
             let turn = m.turn.max(1);
-            let ran = agent.hooks.on_model_request_observed(Step { scope: &scope, turn }, request, observe).await;
+            let step = Step { scope: &scope, turn };
+            let ran = agent.hooks.on_model_request_observed(step, request, Some(&mut observe)).await;
             if let Ok(value) = ran {
                 response.completed = true;
                 response.system = value.system;

@@ -207,6 +207,17 @@ pub struct Observed<'a, V> {
     pub outcome: Result<&'a V, &'a ChainError>,
 }
 
+/// Told what each hook of a chain did.
+pub type Observer<'o, V> = dyn for<'a> FnMut(Observed<'a, V>) + Send + 'o;
+
+/// Tells `observe`, if any, that `hook` failed with `e`.
+fn observe_failure<V>(observe: Option<&mut &mut Observer<'_, V>>, hook: &str, started: Instant, e: &ChainError) {
+    if let Some(observe) = observe {
+        let outcome = Err(e);
+        observe(Observed { hook, took: started.elapsed(), replaced: false, changed: false, outcome });
+    }
+}
+
 /// A tool call as the OnToolResult hooks see it.
 #[derive(Debug, Clone)]
 pub struct ToolCallView<'a> {
@@ -351,17 +362,18 @@ impl HookChain {
         call: &ToolCallView<'_>,
         result: ToolResult,
     ) -> Result<ToolResult, ChainError> {
-        self.on_tool_result_observed(step, call, result, |_| {}).await
+        self.on_tool_result_observed(step, call, result, None).await
     }
 
-    /// [`HookChain::on_tool_result`], telling `observe` what each hook did
-    /// (a dry run of the chain reports it).
+    /// [`HookChain::on_tool_result`], telling `observe` (when set) what each
+    /// hook did (a dry run of the chain reports it). Without an observer
+    /// nothing more is done than a query needs: no value is compared.
     pub async fn on_tool_result_observed(
         &self,
         step: Step<'_>,
         call: &ToolCallView<'_>,
         mut result: ToolResult,
-        mut observe: impl FnMut(Observed<'_, ToolResult>),
+        mut observe: Option<&mut Observer<'_, ToolResult>>,
     ) -> Result<ToolResult, ChainError> {
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
         for hook in self.hooks.iter().filter(|h| h.events.tool_result) {
@@ -387,22 +399,17 @@ impl HookChain {
             match self.call(hook, step, HookEvent::ToolResult, subject(), request, send, accept).await {
                 Ok(replacement) => {
                     let replaced = replacement.is_some();
-                    let changed = replacement.as_ref().is_some_and(|r| *r != result);
+                    let changed = observe.is_some() && replacement.as_ref().is_some_and(|r| *r != result);
                     if let Some(r) = replacement {
                         result = r;
                     }
-                    let outcome = Ok(&result);
-                    observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+                    if let Some(observe) = observe.as_mut() {
+                        let outcome = Ok(&result);
+                        observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+                    }
                 }
                 Err(e) => {
-                    let outcome = Err(&e);
-                    observe(Observed {
-                        hook: &hook.name,
-                        took: started.elapsed(),
-                        replaced: false,
-                        changed: false,
-                        outcome,
-                    });
+                    observe_failure(observe.as_mut(), &hook.name, started, &e);
                     return Err(e);
                 }
             }
@@ -413,16 +420,16 @@ impl HookChain {
     /// Passes a model request through every OnModelRequest hook, in order.
     /// The result is for this one request: the caller's history is untouched.
     pub async fn on_model_request(&self, step: Step<'_>, request: ModelRequest) -> Result<ModelRequest, ChainError> {
-        self.on_model_request_observed(step, request, |_| {}).await
+        self.on_model_request_observed(step, request, None).await
     }
 
-    /// [`HookChain::on_model_request`], telling `observe` what each hook
-    /// did.
+    /// [`HookChain::on_model_request`], telling `observe` (when set) what
+    /// each hook did.
     pub async fn on_model_request_observed(
         &self,
         step: Step<'_>,
         mut request: ModelRequest,
-        mut observe: impl FnMut(Observed<'_, ModelRequest>),
+        mut observe: Option<&mut Observer<'_, ModelRequest>>,
     ) -> Result<ModelRequest, ChainError> {
         if !self.hooks.iter().any(|h| h.events.model_request) {
             return Ok(request);
@@ -464,28 +471,24 @@ impl HookChain {
             let (replacement, system) = match answer {
                 Ok(answer) => answer,
                 Err(e) => {
-                    let outcome = Err(&e);
-                    observe(Observed {
-                        hook: &hook.name,
-                        took: started.elapsed(),
-                        replaced: false,
-                        changed: false,
-                        outcome,
-                    });
+                    observe_failure(observe.as_mut(), &hook.name, started, &e);
                     return Err(e);
                 }
             };
             let replaced = replacement.is_some() || system.is_some();
-            let changed = replacement.as_ref().is_some_and(|m| *m != request.messages)
-                || system.as_ref().is_some_and(|s| *s != request.system);
+            let changed = observe.is_some()
+                && (replacement.as_ref().is_some_and(|m| *m != request.messages)
+                    || system.as_ref().is_some_and(|s| *s != request.system));
             if let Some(replaced) = replacement {
                 request.messages = replaced;
             }
             if let Some(system) = system {
                 request.system = system;
             }
-            let outcome = Ok(&request);
-            observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+            if let Some(observe) = observe.as_mut() {
+                let outcome = Ok(&request);
+                observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+            }
         }
         Ok(request)
     }
