@@ -657,7 +657,7 @@ impl Runtime {
         let child_ctx = RunCtx {
             scope: Scope {
                 agent: target.to_owned(),
-                session_id: uuid::Uuid::new_v4().to_string(),
+                session_id: crate::session::new_id(),
                 query_id: ctx.scope.query_id.clone(),
                 deadline,
             },

@@ -9,6 +9,12 @@
 //! [`RELOAD_EVERY`]); a file that no longer parses keeps the previous table
 //! and says why in the log.
 //!
+//! Mode `mtls`: the principal is the client certificate's first URI
+//! subject alternative name (a SPIFFE ID from a service mesh), else its
+//! first DNS one; the listener must ask for client certificates
+//! (`server.tls.client_ca_file`, see [`crate::tls`]). With a client CA set,
+//! a request needs a valid certificate in every mode.
+//!
 //! Mode `none` (which a config must say: without `[server.auth]` Lattice
 //! does not start): every caller is let in, as the principal [`ANONYMOUS`].
 
@@ -18,10 +24,13 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use tonic::{Status, metadata::MetadataMap};
+use tonic::{Request, Status};
 use tracing::{info, warn};
 
-use crate::config::{AuthMode, AuthSettings};
+use crate::{
+    config::{AuthMode, AuthSettings},
+    tls::ServerTls,
+};
 
 /// How often the tokens file is checked for changes.
 pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
@@ -112,16 +121,32 @@ fn decode_digest(hex: &str) -> Option<[u8; 32]> {
 #[derive(Debug)]
 pub struct Authenticator {
     tokens: Option<Arc<RwLock<TokenTable>>>,
+    /// Mode `mtls`: the client certificate names the principal.
+    by_certificate: bool,
+    /// The listener's TLS when it asks for client certificates: each
+    /// request's chain is checked, whatever the mode.
+    client_certs: Option<Arc<ServerTls>>,
     admins: Vec<String>,
 }
 
 impl Authenticator {
-    /// The authenticator of `settings`; in mode `token` it reads the file
-    /// now and starts watching it (needs a Tokio runtime).
-    pub fn new(settings: &AuthSettings) -> Result<Authenticator, String> {
+    /// The authenticator of `settings` over the listener's `tls`; in mode
+    /// `token` it reads the file now and starts watching it (needs a Tokio
+    /// runtime).
+    pub fn new(settings: &AuthSettings, tls: Option<Arc<ServerTls>>) -> Result<Authenticator, String> {
+        let client_certs = tls.filter(|t| t.mutual());
+        let mut by_certificate = false;
         let tokens = match &settings.mode {
             AuthMode::None => {
                 info!("auth: none (server.auth.mode): every client may run every agent");
+                None
+            }
+            AuthMode::Mtls => {
+                if client_certs.is_none() {
+                    return Err("server.auth.mode \"mtls\" needs server.tls.client_ca_file".into());
+                }
+                info!("auth: mtls: a client is its certificate's first URI SAN, else its first DNS SAN");
+                by_certificate = true;
                 None
             }
             AuthMode::Token { tokens_file } => {
@@ -132,29 +157,39 @@ impl Authenticator {
                 Some(table)
             }
         };
-        Ok(Authenticator { tokens, admins: settings.admins.clone() })
+        Ok(Authenticator { tokens, by_certificate, client_certs, admins: settings.admins.clone() })
     }
 
     /// Whether callers must authenticate.
     pub fn enabled(&self) -> bool {
-        self.tokens.is_some()
+        self.tokens.is_some() || self.by_certificate
     }
 
-    /// The caller of a request: UNAUTHENTICATED without a valid token.
-    pub fn authenticate(&self, metadata: &MetadataMap) -> Result<Principal, Status> {
-        let Some(tokens) = &self.tokens else {
+    /// The caller of a request: UNAUTHENTICATED without a valid client
+    /// certificate (when the listener asks for one) or token (mode `token`).
+    pub fn authenticate<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
+        let certified = match &self.client_certs {
+            Some(tls) => tls.client_identity(request.peer_certs().as_deref().map(Vec::as_slice))?,
+            None => None,
+        };
+        let name = if self.by_certificate {
+            certified.map(|c| c.to_string()).ok_or_else(|| Status::unauthenticated("present a client certificate"))?
+        } else if let Some(tokens) = &self.tokens {
+            let token = request
+                .metadata()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .ok_or_else(|| Status::unauthenticated("send `authorization: Bearer <token>`"))?;
+            let table = tokens.read().map_err(|_| Status::internal("the token table is unavailable"))?;
+            table.principal(token).ok_or_else(|| Status::unauthenticated("the token is not valid"))?.to_owned()
+        } else {
             return Ok(Principal { name: ANONYMOUS.to_owned(), admin: true });
         };
-        let token = metadata
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| Status::unauthenticated("send `authorization: Bearer <token>`"))?;
-        let table = tokens.read().map_err(|_| Status::internal("the token table is unavailable"))?;
-        let name = table.principal(token).ok_or_else(|| Status::unauthenticated("the token is not valid"))?;
-        Ok(Principal { name: name.to_owned(), admin: self.admins.iter().any(|a| a == name) })
+        let admin = self.admins.contains(&name);
+        Ok(Principal { name, admin })
     }
 }
 

@@ -28,6 +28,9 @@ pub struct QueryArgs {
     pub timeout: Duration,
     /// A bearer token to send (`[server.auth] mode = "token"`).
     pub token: Option<String>,
+    /// TLS settings for an `https://` address: the CA, a client certificate
+    /// (mutual TLS), the name to expect.
+    pub tls: Option<crate::peer::Tls>,
 }
 
 fn block_text(b: &pb::ContentBlock, indent: &str) -> String {
@@ -75,7 +78,7 @@ pub enum QueryError {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connects to `addr`, or says why not and what to check.
-async fn connect(addr: &str) -> Result<tonic::transport::Channel, QueryError> {
+async fn connect(addr: &str, tls: Option<&crate::peer::Tls>) -> Result<tonic::transport::Channel, QueryError> {
     let fail = |reason: String, hint| QueryError::Connect { addr: addr.to_owned(), reason, hint };
     if !addr.contains("://") {
         return Err(fail(
@@ -86,10 +89,32 @@ async fn connect(addr: &str) -> Result<tonic::transport::Channel, QueryError> {
     let endpoint = tonic::transport::Endpoint::from_shared(addr.to_owned())
         .map_err(|e| fail(e.to_string(), "write the address as a URL, e.g. http://127.0.0.1:50051"))?
         .connect_timeout(CONNECT_TIMEOUT);
+    let https = addr.starts_with("https://");
+    let endpoint = match (tls, https) {
+        (Some(_), false) => {
+            return Err(fail(
+                "TLS options given for a plaintext address".into(),
+                "write the address as https://host:port",
+            ));
+        }
+        (Some(tls), true) => {
+            tls.validate().map_err(|e| fail(e, "check --ca, --cert and --key"))?;
+            endpoint
+                .tls_config(tls.client_config(None))
+                .map_err(|e| fail(crate::peer::error_chain(&e), "check --ca, --cert and --key"))?
+        }
+        (None, true) => endpoint
+            .tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots())
+            .map_err(|e| fail(crate::peer::error_chain(&e), "check the system's CA certificates"))?,
+        (None, false) => endpoint,
+    };
     endpoint.connect().await.map_err(|e| {
         let reason = crate::peer::error_chain(&e);
         let hint = if reason.contains("dns error") || reason.contains("failed to lookup") {
             "the host name does not resolve: check --addr"
+        } else if https {
+            "is `lattice serve` listening there with [server.tls]? does --ca sign its certificate, and does the \
+             certificate name the host of --addr (or --server-name)?"
         } else {
             "is `lattice serve` running and listening there? (see --listen / server.listen)"
         };
@@ -101,7 +126,7 @@ async fn connect(addr: &str) -> Result<tonic::transport::Channel, QueryError> {
 /// final result; an error status is printed to `out` and returned; a
 /// connection failure is returned unprinted.
 pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<(), QueryError> {
-    let channel = connect(&args.addr).await?;
+    let channel = connect(&args.addr, args.tls.as_ref()).await?;
     let mut client = AgentServiceClient::new(channel);
     let mut request = tonic::Request::new(pb::QueryRequest {
         agent: args.agent,

@@ -113,6 +113,8 @@ struct RawSessions {
 struct RawServer {
     listen: Option<Spanned<String>>,
     admin_listen: Option<Spanned<String>>,
+    health_listen: Option<Spanned<String>>,
+    tls: Option<Spanned<RawServerTls>>,
     max_concurrent_queries: Option<usize>,
     max_message_bytes: Option<usize>,
     hook_max_message_bytes: Option<usize>,
@@ -138,10 +140,18 @@ struct RawLimits {
     queries_per_minute: Option<u32>,
 }
 
+/// `[server.tls]`: TLS on the API listener.
+#[derive(Debug, Default, Deserialize)]
+struct RawServerTls {
+    cert_file: Option<String>,
+    key_file: Option<String>,
+    client_ca_file: Option<String>,
+}
+
 /// `[server.auth]`: who may call.
 #[derive(Debug, Default, Deserialize)]
 struct RawAuth {
-    /// "token" or "none".
+    /// "mtls", "token" or "none".
     mode: Option<Spanned<String>>,
     /// Mode "token": lines `<principal> <sha256 hex of the token>`.
     tokens_file: Option<String>,
@@ -274,7 +284,10 @@ fn yes() -> bool {
 // Which tables sit under which keys (for the key check; see `document`).
 static ROOT: Shape = Shape { fields: fields_of::<RawConfig>, child: root_child };
 static SESSIONS: Shape = Shape { fields: fields_of::<RawSessions>, child: no_child };
-static SERVER: Shape = Shape { fields: fields_of::<RawServer>, child: no_child };
+static SERVER: Shape = Shape { fields: fields_of::<RawServer>, child: server_child };
+static SERVER_TLS: Shape = Shape { fields: fields_of::<RawServerTls>, child: no_child };
+static AUTH: Shape = Shape { fields: fields_of::<RawAuth>, child: no_child };
+static LIMITS: Shape = Shape { fields: fields_of::<RawLimits>, child: no_child };
 static AGENT: Shape = Shape { fields: fields_of::<RawAgent>, child: agent_child };
 static MODEL: Shape = Shape { fields: fields_of::<RawModel>, child: model_child };
 static SCRIPT_TURN: Shape = Shape { fields: fields_of::<RawScriptTurn>, child: script_turn_child };
@@ -294,6 +307,15 @@ fn root_child(key: &str) -> Option<&'static Shape> {
         "server" => Some(&SERVER),
         "sessions" => Some(&SESSIONS),
         "agents" => Some(&AGENT),
+        _ => None,
+    }
+}
+
+fn server_child(key: &str) -> Option<&'static Shape> {
+    match key {
+        "tls" => Some(&SERVER_TLS),
+        "auth" => Some(&AUTH),
+        "limits" => Some(&LIMITS),
         _ => None,
     }
 }
@@ -398,6 +420,12 @@ pub struct ServerSettings {
     /// Where `/metrics` is served, never on the API port (`None`: off; the
     /// CLI's `--admin-listen` wins).
     pub admin_listen: Option<SocketAddr>,
+    /// A plaintext port that serves only `grpc.health.v1.Health`, for the
+    /// kubelet's gRPC probes when the API port speaks TLS (`None`: off; the
+    /// CLI's `--health-listen` wins).
+    pub health_listen: Option<SocketAddr>,
+    /// TLS on the API listener (`[server.tls]`); `None`: plaintext.
+    pub tls: Option<crate::tls::TlsSettings>,
     /// Queries served at once; the excess gets RESOURCE_EXHAUSTED.
     pub max_concurrent_queries: usize,
     /// Largest gRPC message to or from a client (and so largest event).
@@ -450,6 +478,9 @@ pub enum AuthMode {
     /// `mode = "none"`: open, said on purpose.
     #[default]
     None,
+    /// `mode = "mtls"`: the client certificate's first URI SAN, else its
+    /// first DNS SAN (needs `server.tls.client_ca_file`).
+    Mtls,
     /// `mode = "token"`: a bearer token whose SHA-256 is in this file.
     Token {
         /// The tokens file (read at start-up, re-read when it changes).
@@ -1032,6 +1063,17 @@ impl Validator<'_> {
             }),
             None => Some(defaults::ADMIN_LISTEN),
         };
+        let health_listen = s.health_listen.as_ref().and_then(|h| {
+            parse_admin_listen(h.get_ref()).unwrap_or_else(|| {
+                self.problem(
+                    Some(h.span()),
+                    "server.health_listen",
+                    format!("{:?} is not an address like 0.0.0.0:8081, nor \"off\"", h.get_ref()),
+                );
+                None
+            })
+        });
+        let tls = s.tls.map(|t| self.server_tls(t));
         for (v, f) in [
             (s.max_concurrent_queries.map(|v| v as u64), "server.max_concurrent_queries"),
             (s.max_message_bytes.map(|v| v as u64), "server.max_message_bytes"),
@@ -1053,9 +1095,12 @@ impl Validator<'_> {
             let message = format!("{d} ms is above the ceiling of {ceiling} ms (server.hook_deadline_ceiling_ms)");
             self.problem(None, "server.hook_deadline_ms", message);
         }
+        let auth = self.auth(s.auth, tls.as_ref());
         ServerSettings {
             listen,
             admin_listen,
+            health_listen,
+            tls,
             max_concurrent_queries: s.max_concurrent_queries.unwrap_or(defaults::MAX_CONCURRENT_QUERIES).max(1),
             max_message_bytes: s.max_message_bytes.unwrap_or(defaults::MAX_MESSAGE_BYTES).max(1),
             hook_max_message_bytes: s.hook_max_message_bytes.unwrap_or(defaults::PEER_MAX_MESSAGE_BYTES).max(1),
@@ -1070,7 +1115,7 @@ impl Validator<'_> {
                 .filter(|v| *v > 0)
                 .map(ms),
             worker_threads: s.worker_threads.map(|n| n.max(1)),
-            auth: self.auth(s.auth),
+            auth,
             limits: crate::limits::LimitSettings {
                 queries_in_flight: s.limits.queries_in_flight,
                 queries_per_minute: s.limits.queries_per_minute,
@@ -1079,13 +1124,42 @@ impl Validator<'_> {
         }
     }
 
-    fn auth(&mut self, auth: Option<Spanned<RawAuth>>) -> AuthSettings {
+    fn server_tls(&mut self, raw: Spanned<RawServerTls>) -> crate::tls::TlsSettings {
+        let span = raw.span();
+        let raw = raw.into_inner();
+        let mut file = |f: Option<String>, key: &str| match f {
+            Some(f) => self.dir.join(f),
+            None => {
+                self.problem(
+                    Some(span.clone()),
+                    format!("server.tls.{key}"),
+                    "missing: [server.tls] needs a cert_file and a key_file",
+                );
+                PathBuf::new()
+            }
+        };
+        let settings = crate::tls::TlsSettings {
+            cert_file: file(raw.cert_file, "cert_file"),
+            key_file: file(raw.key_file, "key_file"),
+            client_ca_file: raw.client_ca_file.map(|f| self.dir.join(f)),
+        };
+        if !settings.cert_file.as_os_str().is_empty()
+            && !settings.key_file.as_os_str().is_empty()
+            && let Err(e) = crate::tls::ServerTls::load(&settings)
+        {
+            self.problem(Some(span), "server.tls", e);
+        }
+        settings
+    }
+
+    fn auth(&mut self, auth: Option<Spanned<RawAuth>>, tls: Option<&crate::tls::TlsSettings>) -> AuthSettings {
         let Some(auth) = auth else {
             // Secure by default: running open must be said.
             self.problem(
                 None,
                 "server.auth",
-                "missing: add [server.auth] with mode = \"token\" (bearer tokens), or mode = \"none\" to let \
+                "missing: add [server.auth] with mode = \"mtls\" (client certificates), \"token\" (bearer tokens), or \
+                 mode = \"none\" to let \
                  every client run every agent and read every session",
             );
             return AuthSettings::default();
@@ -1094,6 +1168,16 @@ impl Validator<'_> {
         let raw = auth.into_inner();
         let mode = match raw.mode.as_ref().map(|m| m.get_ref().as_str()) {
             Some("none") => AuthMode::None,
+            Some("mtls") => {
+                if tls.is_none_or(|t| t.client_ca_file.is_none()) {
+                    self.problem(
+                        Some(span.clone()),
+                        "server.auth.mode",
+                        "mode \"mtls\" needs [server.tls] with a client_ca_file (the CA of client certificates)",
+                    );
+                }
+                AuthMode::Mtls
+            }
             Some("token") => match &raw.tokens_file {
                 Some(file) => AuthMode::Token { tokens_file: self.dir.join(file) },
                 None => {
@@ -1103,11 +1187,15 @@ impl Validator<'_> {
             },
             Some(other) => {
                 let span = raw.mode.as_ref().map(|m| m.span());
-                self.problem(span, "server.auth.mode", format!("{other:?} is not a mode: \"token\" or \"none\""));
+                self.problem(
+                    span,
+                    "server.auth.mode",
+                    format!("{other:?} is not a mode: \"mtls\", \"token\" or \"none\""),
+                );
                 AuthMode::None
             }
             None => {
-                self.problem(Some(span), "server.auth.mode", "set it: \"token\", or \"none\" to run open");
+                self.problem(Some(span), "server.auth.mode", "set it: \"mtls\", \"token\", or \"none\" to run open");
                 AuthMode::None
             }
         };

@@ -42,6 +42,7 @@ pub mod peer;
 pub mod service;
 pub mod session;
 pub mod status;
+pub mod tls;
 pub mod tools;
 pub mod trace;
 
@@ -76,6 +77,17 @@ pub enum ServeError {
     /// `[server.auth]` could not be set up (the tokens file).
     #[error("auth: {0}")]
     Auth(String),
+    /// `[server.tls]` could not be loaded.
+    #[error("tls: {0}")]
+    Tls(String),
+    /// The health port could not be opened.
+    #[error("health port {addr}: {source}")]
+    Health {
+        /// `server.health_listen`.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The admin port could not be opened.
     #[error("admin port {addr}: {source}")]
     Admin {
@@ -98,6 +110,11 @@ pub async fn run(
         Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Admin { addr, source })?),
         None => None,
     };
+    let health_port = match config.server.health_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Health { addr, source })?),
+        None => None,
+    };
+    let tls = config.server.tls.as_ref().map(tls::ServerTls::watched).transpose().map_err(ServeError::Tls)?;
     let runtime = Arc::new(Runtime::build(&config).await?);
     let metrics = runtime.metrics.clone();
     let max = config.server.max_message_bytes;
@@ -117,7 +134,7 @@ pub async fn run(
             (Arc::new(store.clone()), Some(store))
         }
     };
-    let auth = Arc::new(auth::Authenticator::new(&config.server.auth).map_err(ServeError::Auth)?);
+    let auth = Arc::new(auth::Authenticator::new(&config.server.auth, tls.clone()).map_err(ServeError::Auth)?);
     let agents = AgentServiceServer::new(AgentSvc::new(runtime.clone(), store.clone(), auth))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
@@ -154,7 +171,8 @@ pub async fn run(
         tokio::runtime::RuntimeFlavor::CurrentThread => "current_thread",
         _ => "multi_thread",
     };
-    info!(addr = ?addr, agents = config.agents.len(), worker_threads, runtime, "serving");
+    let tls_on = config.server.tls.is_some();
+    info!(addr = ?addr, agents = config.agents.len(), worker_threads, runtime, tls = tls_on, "serving");
     let drain = config.server.drain;
     let shutdown = async move {
         shutdown.await;
@@ -168,17 +186,27 @@ pub async fn run(
         info!("shutting down: refusing new connections, finishing in-flight queries");
     };
     let mut grpc = tonic::service::Routes::builder();
-    grpc.add_service(health_svc).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);
+    grpc.add_service(health_svc.clone()).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);
     // The API port serves gRPC only; /metrics is on the admin port.
     if let Some(admin) = admin {
         info!(addr = ?admin.local_addr().ok(), "admin port: /metrics");
         tokio::spawn(metrics::serve_admin(admin, metrics));
     }
+    let stopped = tokio_util::sync::CancellationToken::new();
+    if let Some(port) = health_port {
+        info!(addr = ?port.local_addr().ok(), "health port: grpc.health.v1 only, plaintext");
+        let until = stopped.clone().cancelled_owned();
+        let server = tonic::transport::Server::builder().add_service(health_svc.clone());
+        tokio::spawn(server.serve_with_incoming_shutdown(incoming(port), until));
+    }
     let router = grpc.routes().into_axum_router();
-    tonic::transport::Server::builder()
-        .add_routes(router.into())
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
-        .await?;
+    let server = tonic::transport::Server::builder().add_routes(router.into());
+    let served = match tls {
+        Some(tls) => server.serve_with_incoming_shutdown(tls.incoming(listener), shutdown).await,
+        None => server.serve_with_incoming_shutdown(incoming(listener), shutdown).await,
+    };
+    stopped.cancel();
+    served?;
     info!("stopped");
     Ok(())
 }

@@ -40,6 +40,10 @@ enum Command {
         /// server.admin_listen).
         #[arg(long)]
         admin_listen: Option<String>,
+        /// The plaintext health-only port's address, or "off" (overrides
+        /// server.health_listen).
+        #[arg(long)]
+        health_listen: Option<String>,
     },
     /// Validate a config file and list every problem.
     CheckConfig {
@@ -68,6 +72,20 @@ enum Command {
         /// "token"); LATTICE_TOKEN, if set, is used otherwise.
         #[arg(long)]
         token_file: Option<PathBuf>,
+        /// CA certificate(s) (PEM) that sign the server's certificate
+        /// (an https:// address); the system's roots otherwise.
+        #[arg(long)]
+        ca: Option<PathBuf>,
+        /// Client certificate (PEM) for mutual TLS, with --key.
+        #[arg(long, requires = "key")]
+        cert: Option<PathBuf>,
+        /// Client private key (PEM) for mutual TLS.
+        #[arg(long, requires = "cert")]
+        key: Option<PathBuf>,
+        /// The name the server's certificate must carry; by default the
+        /// host of --addr.
+        #[arg(long)]
+        server_name: Option<String>,
         /// The prompt.
         prompt: String,
     },
@@ -192,7 +210,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 ExitCode::from(EXIT_CONFIG)
             }
         },
-        Command::Serve { config, listen, admin_listen } => {
+        Command::Serve { config, listen, admin_listen, health_listen } => {
             let Some(mut cfg) = loaded else {
                 eprintln!("lattice: {} was not loaded", config.display());
                 return ExitCode::from(EXIT_CONFIG);
@@ -204,6 +222,17 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     None => {
                         eprintln!(
                             "lattice: --admin-listen {admin:?} is not an address like 127.0.0.1:9090, nor \"off\""
+                        );
+                        return ExitCode::from(EXIT_CONFIG);
+                    }
+                }
+            }
+            if let Some(health) = health_listen {
+                match config::parse_admin_listen(&health) {
+                    Some(a) => cfg.server.health_listen = a,
+                    None => {
+                        eprintln!(
+                            "lattice: --health-listen {health:?} is not an address like 0.0.0.0:8081, nor \"off\""
                         );
                         return ExitCode::from(EXIT_CONFIG);
                     }
@@ -226,7 +255,40 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 }
             }
         }
-        Command::Query { addr, agent, session, show_requests, timeout_secs, token_file, prompt } => {
+        Command::Query {
+            addr,
+            agent,
+            session,
+            show_requests,
+            timeout_secs,
+            token_file,
+            ca,
+            cert,
+            key,
+            server_name,
+            prompt,
+        } => {
+            let read = |path: &PathBuf| {
+                std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+            };
+            let tls = if ca.is_some() || cert.is_some() || server_name.is_some() {
+                let files = (
+                    ca.as_ref().map(read).transpose(),
+                    cert.as_ref().map(read).transpose(),
+                    key.as_ref().map(read).transpose(),
+                );
+                match files {
+                    (Ok(ca_pem), Ok(cert), Ok(key)) => {
+                        Some(lattice_server::peer::Tls { ca_pem, identity: cert.zip(key), server_name })
+                    }
+                    (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                        eprintln!("lattice query: {e}");
+                        return ExitCode::from(EXIT_CONFIG);
+                    }
+                }
+            } else {
+                None
+            };
             let token = match &token_file {
                 Some(path) => match std::fs::read_to_string(path) {
                     Ok(t) => Some(t.trim().to_owned()),
@@ -239,6 +301,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
             };
             let args = client::QueryArgs {
                 token,
+                tls,
                 addr,
                 agent,
                 session,

@@ -94,88 +94,18 @@ impl AgentSvc {
             .and_then(parse_grpc_timeout)
             .map_or(most, |d| d.min(most))
     }
-}
 
-/// Parses a `grpc-timeout` header: 1-8 digits and a unit (H M S m u n).
-fn parse_grpc_timeout(v: &str) -> Option<Duration> {
-    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 {
-        return None;
-    }
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
-/// Session ids are server-made UUIDs; anything else cannot exist.
-fn plausible_session_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-}
-
-type EventStream = Pin<Box<dyn Stream<Item = Result<pb::QueryEvent, Status>> + Send>>;
-
-fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
-    let d = &a.def;
-    let specs = a.tools().map(|t| t.specs.as_slice()).unwrap_or_default();
-    let readiness = a.hooks.readiness();
-    let ready_addresses = |name: &str| readiness.iter().find(|(n, ..)| n == name).map_or(0, |(_, r, _)| *r as u32);
-    pb::Agent {
-        name: d.name.clone(),
-        description: d.description.clone(),
-        model: d.model.label(),
-        max_turns: d.max_turns,
-        tools: specs
-            .iter()
-            .map(|s| {
-                let b = a.tools().and_then(|t| t.bindings.get(&s.name));
-                pb::AgentTool {
-                    spec: Some(s.into()),
-                    target: b.map(Binding::target).unwrap_or_default(),
-                    deadline_ms: b.map(|b| b.deadline().as_millis() as u64).unwrap_or_default(),
-                    tls: matches!(b, Some(Binding::Remote { tls: true, .. })),
-                }
-            })
-            .collect(),
-        hooks: d
-            .hooks
-            .iter()
-            .map(|h| pb::Hook {
-                name: h.name.clone(),
-                endpoint: h.endpoint.clone(),
-                events: [(h.events.tool_result, "tool_result"), (h.events.model_request, "model_request")]
-                    .into_iter()
-                    .filter(|(on, _)| *on)
-                    .map(|(_, n)| n.to_owned())
-                    .collect(),
-                deadline_ms: h.deadline.as_millis() as u64,
-                enabled: h.enabled,
-                tls: peer::uses_tls(&h.endpoint, h.tls.as_ref()),
-                client_certificate: h.tls.as_ref().is_some_and(|t| t.identity.is_some()),
-                ready_addresses: if h.enabled { ready_addresses(&h.name) } else { 0 },
-                required: h.required,
-            })
-            .collect(),
-        parallel_tool_calls: d.parallel_tool_calls as u32,
-        max_tool_calls_per_turn: d.max_tool_calls_per_turn as u32,
-        allow: d.permissions.allow.clone(),
-        deny: d.permissions.deny.clone(),
-        ready: a.tools().is_some() && a.hooks.required_ready().is_ok(),
-    }
-}
-
-#[tonic::async_trait]
-impl AgentService for AgentSvc {
-    type QueryStream = EventStream;
-
-    async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<Self::QueryStream>, Status> {
-        let principal = self.auth.authenticate(request.metadata())?;
+    /// A query up to its first event: authenticated, authorized, admitted,
+    /// its session leased; then the loop runs on a task of its own.
+    /// `principal` is set as soon as the caller is known (for the audit
+    /// line of a refusal).
+    async fn start_query(
+        &self,
+        request: Request<pb::QueryRequest>,
+        who: &mut Option<String>,
+    ) -> Result<Response<EventStream>, Status> {
+        let principal = self.auth.authenticate(&request)?;
+        *who = Some(principal.name.clone());
         let budget = self.budget(request.metadata());
         let deadline = Instant::now() + budget;
         let req = request.into_inner();
@@ -196,7 +126,7 @@ impl AgentService for AgentSvc {
         let (session_id, create) = match req.session_id {
             Some(id) if !plausible_session_id(&id) => return Err(Status::not_found("session not found")),
             Some(id) => (id, false),
-            None => (uuid::Uuid::new_v4().to_string(), true),
+            None => (crate::session::new_id(), true),
         };
         let permit = self
             .queries
@@ -313,12 +243,111 @@ impl AgentService for AgentSvc {
         });
         Ok(Response::new(Box::pin(stream)))
     }
+}
+
+/// Parses a `grpc-timeout` header: 1-8 digits and a unit (H M S m u n).
+fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// Session ids are made here (see [`crate::session::new_id`]; older ones
+/// are UUIDs); anything else cannot exist.
+fn plausible_session_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::QueryEvent, Status>> + Send>>;
+
+fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
+    let d = &a.def;
+    let specs = a.tools().map(|t| t.specs.as_slice()).unwrap_or_default();
+    let readiness = a.hooks.readiness();
+    let ready_addresses = |name: &str| readiness.iter().find(|(n, ..)| n == name).map_or(0, |(_, r, _)| *r as u32);
+    pb::Agent {
+        name: d.name.clone(),
+        description: d.description.clone(),
+        model: d.model.label(),
+        max_turns: d.max_turns,
+        tools: specs
+            .iter()
+            .map(|s| {
+                let b = a.tools().and_then(|t| t.bindings.get(&s.name));
+                pb::AgentTool {
+                    spec: Some(s.into()),
+                    target: b.map(Binding::target).unwrap_or_default(),
+                    deadline_ms: b.map(|b| b.deadline().as_millis() as u64).unwrap_or_default(),
+                    tls: matches!(b, Some(Binding::Remote { tls: true, .. })),
+                }
+            })
+            .collect(),
+        hooks: d
+            .hooks
+            .iter()
+            .map(|h| pb::Hook {
+                name: h.name.clone(),
+                endpoint: h.endpoint.clone(),
+                events: [(h.events.tool_result, "tool_result"), (h.events.model_request, "model_request")]
+                    .into_iter()
+                    .filter(|(on, _)| *on)
+                    .map(|(_, n)| n.to_owned())
+                    .collect(),
+                deadline_ms: h.deadline.as_millis() as u64,
+                enabled: h.enabled,
+                tls: peer::uses_tls(&h.endpoint, h.tls.as_ref()),
+                client_certificate: h.tls.as_ref().is_some_and(|t| t.identity.is_some()),
+                ready_addresses: if h.enabled { ready_addresses(&h.name) } else { 0 },
+                required: h.required,
+            })
+            .collect(),
+        parallel_tool_calls: d.parallel_tool_calls as u32,
+        max_tool_calls_per_turn: d.max_tool_calls_per_turn as u32,
+        allow: d.permissions.allow.clone(),
+        deny: d.permissions.deny.clone(),
+        ready: a.tools().is_some() && a.hooks.required_ready().is_ok(),
+    }
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentSvc {
+    type QueryStream = EventStream;
+
+    async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<Self::QueryStream>, Status> {
+        let mut principal = None;
+        let agent = request.get_ref().agent.clone();
+        let continued = request.get_ref().session_id.clone();
+        let started = self.start_query(request, &mut principal).await;
+        if let Err(status) = &started {
+            // The audit line of a query that never ran (a query that runs
+            // logs its outcome in its span).
+            info!(
+                principal = principal.as_deref().unwrap_or("-"),
+                agent = %status::echo(&agent),
+                session_id = continued.as_deref().map(status::echo).unwrap_or_default(),
+                code = crate::status::code_name(status.code()),
+                "query refused"
+            );
+        }
+        started
+    }
 
     async fn test_hooks(
         &self,
         request: Request<pb::TestHooksRequest>,
     ) -> Result<Response<pb::TestHooksResponse>, Status> {
-        let principal = self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(&request)?;
         if !principal.admin {
             return Err(Status::permission_denied(format!(
                 "TestHooks is for admins (server.auth.admins); {:?} is not one",
@@ -334,7 +363,7 @@ impl AgentService for AgentSvc {
         &self,
         request: Request<pb::ListAgentsRequest>,
     ) -> Result<Response<pb::ListAgentsResponse>, Status> {
-        let principal = self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(&request)?;
         // Each caller sees the agents it may query (an admin, all); only
         // admins see where their hooks and tools are.
         let agents = self
@@ -347,7 +376,7 @@ impl AgentService for AgentSvc {
     }
 
     async fn get_agent(&self, request: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
-        let principal = self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(&request)?;
         let name = request.into_inner().name;
         let agent = self
             .runtime
@@ -360,7 +389,7 @@ impl AgentService for AgentSvc {
     }
 
     async fn get_session(&self, request: Request<pb::GetSessionRequest>) -> Result<Response<pb::Session>, Status> {
-        let principal = self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(&request)?;
         let req = request.into_inner();
         let start = match req.page_token.as_str() {
             "" => 0,
@@ -404,7 +433,7 @@ impl AgentService for AgentSvc {
         &self,
         request: Request<pb::DeleteSessionRequest>,
     ) -> Result<Response<pb::DeleteSessionResponse>, Status> {
-        let principal = self.auth.authenticate(request.metadata())?;
+        let principal = self.auth.authenticate(&request)?;
         let id = request.into_inner().session_id;
         if !plausible_session_id(&id) {
             return Err(Status::not_found("session not found"));

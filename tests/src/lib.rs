@@ -76,6 +76,9 @@ pub struct Lattice {
     process: Option<(Child, PathBuf)>,
     /// Its admin port (`/metrics`), when started here.
     admin: Option<SocketAddr>,
+    /// TLS to the API port (`[server.tls]`): the CA, name and client
+    /// certificate this client uses.
+    client_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 /// `config` with `server.trace_dir` set (in its `[server]` table if it has
@@ -175,6 +178,7 @@ impl Lattice {
             handle: Some(handle),
             process: None,
             admin: Some(admin),
+            client_tls: None,
         };
         // Ready when health answers (set-up, e.g. tool discovery, is done);
         // a set-up error ends `run` early.
@@ -198,6 +202,16 @@ impl Lattice {
     /// variables; its logs (RUST_LOG=trace) go to a file, see
     /// [`Lattice::process_logs`].
     pub async fn spawn(config: &str, env: &[(&str, &str)]) -> Lattice {
+        Self::spawn_with(config, env, None).await
+    }
+
+    /// [`Lattice::spawn`] for a config with `[server.tls]`: its clients
+    /// (health checks included) connect with `tls`.
+    pub async fn spawn_tls(config: &str, env: &[(&str, &str)], tls: tonic::transport::ClientTlsConfig) -> Lattice {
+        Self::spawn_with(config, env, Some(tls)).await
+    }
+
+    async fn spawn_with(config: &str, env: &[(&str, &str)], tls: Option<tonic::transport::ClientTlsConfig>) -> Lattice {
         let dir = temp_dir("proc");
         let trace_dir = dir.join("traces");
         let config_path = dir.join("lattice.toml");
@@ -217,13 +231,15 @@ impl Lattice {
             .kill_on_drop(true)
             .spawn()
             .expect("the lattice binary");
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let lattice = Lattice {
-            url: format!("http://{addr}"),
+            url: format!("{scheme}://{addr}"),
             trace_dir,
             shutdown: None,
             handle: None,
             process: Some((Child(child), log_path.clone())),
             admin: Some(admin),
+            client_tls: tls,
         };
         let deadline = Instant::now() + Duration::from_secs(15);
         while !lattice.healthy().await {
@@ -246,7 +262,25 @@ impl Lattice {
             handle: None,
             process: None,
             admin: None,
+            client_tls: None,
         }
+    }
+
+    /// A client of this Lattice that connects with other TLS settings
+    /// (another client certificate, or none).
+    pub fn with_client_tls(&self, tls: Option<tonic::transport::ClientTlsConfig>) -> Lattice {
+        let mut other = Lattice::remote_unchecked(&self.url);
+        other.client_tls = tls;
+        other
+    }
+
+    /// A channel to the API port (with this client's TLS settings).
+    pub async fn channel(&self) -> Result<Channel, tonic::transport::Error> {
+        let mut endpoint = tonic::transport::Endpoint::from_shared(self.url.clone()).expect("a URL");
+        if let Some(tls) = &self.client_tls {
+            endpoint = endpoint.tls_config(tls.clone())?;
+        }
+        endpoint.connect().await
     }
 
     /// A client of a Lattice running elsewhere (a container), once healthy.
@@ -291,7 +325,7 @@ impl Lattice {
 
     /// The status health reports for `service`, if it answers at all.
     async fn health_of(&self, service: &str) -> Option<i32> {
-        let ch = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await.ok()?;
+        let ch = self.channel().await.ok()?;
         let request = tonic_health::pb::HealthCheckRequest { service: service.into() };
         let reply = tonic_health::pb::health_client::HealthClient::new(ch).check(request).await.ok()?;
         Some(reply.into_inner().status)
@@ -307,7 +341,7 @@ impl Lattice {
 
     /// A client.
     pub async fn client(&self) -> AgentServiceClient<Channel> {
-        let ch = tonic::transport::Endpoint::from_shared(self.url.clone()).unwrap().connect().await.unwrap();
+        let ch = self.channel().await.expect("connecting to lattice");
         AgentServiceClient::new(ch).max_decoding_message_size(64 << 20)
     }
 

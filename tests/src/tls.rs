@@ -46,6 +46,39 @@ impl TestCa {
     /// as a server's or a client's.
     pub fn issue(&self, name: &str) -> Leaf {
         let params = CertificateParams::new(vec![name.to_owned()]).expect("leaf params");
+        self.sign(name, params)
+    }
+
+    /// A client certificate whose only subject alternative name is `uri`
+    /// (a SPIFFE ID), written as `<stem>.pem` / `<stem>.key`.
+    pub fn issue_uri(&self, stem: &str, uri: &str) -> Leaf {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("leaf params");
+        params.subject_alt_names = vec![rcgen::SanType::URI(uri.try_into().expect("an IA5 URI"))];
+        self.sign(stem, params)
+    }
+
+    /// A certificate for `name` that expired in 2001.
+    pub fn issue_expired(&self, name: &str) -> Leaf {
+        let mut params = CertificateParams::new(vec![name.to_owned()]).expect("leaf params");
+        params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2001, 1, 1);
+        self.sign(&format!("{name}-expired"), params)
+    }
+
+    /// A client TLS config that trusts this CA and expects the server to be
+    /// `localhost`, presenting `client` if given.
+    pub fn client_tls(&self, client: Option<&Leaf>) -> tonic::transport::ClientTlsConfig {
+        let config = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(&self.pem))
+            .domain_name("localhost");
+        match client {
+            Some(leaf) => config.identity(tonic::transport::Identity::from_pem(&leaf.cert_pem, &leaf.key_pem)),
+            None => config,
+        }
+    }
+
+    fn sign(&self, stem: &str, params: CertificateParams) -> Leaf {
+        let name = stem;
         let key = KeyPair::generate().expect("a key");
         let cert = params.signed_by(&key, &self.issuer).expect("a certificate");
         let (cert_pem, key_pem) = (cert.pem(), key.serialize_pem());

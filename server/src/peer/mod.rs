@@ -111,7 +111,7 @@ impl fmt::Debug for Tls {
 impl Tls {
     /// The PEM texts hold what they should (rustls would skip a CA file
     /// that holds no certificate, and every connection would then fail).
-    fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         let certificates = |pem: &str, what: &str| match CertificateDer::pem_slice_iter(pem.as_bytes())
             .collect::<Result<Vec<_>, _>>()
         {
@@ -129,7 +129,7 @@ impl Tls {
         Ok(())
     }
 
-    fn client_config(&self, host: Option<&str>) -> ClientTlsConfig {
+    pub(crate) fn client_config(&self, host: Option<&str>) -> ClientTlsConfig {
         let mut config = ClientTlsConfig::new();
         if let Some(name) = self.server_name.as_deref().or(host) {
             config = config.domain_name(name);

@@ -24,6 +24,22 @@ use tokio::sync::watch;
 
 use crate::domain::Message;
 
+/// A new session id: 128 bits from the operating system's CSPRNG, as 32
+/// lowercase hex digits. Unguessable: holding an id is no proof of
+/// ownership (sessions are also bound to their principal), but nobody
+/// finds one by trying.
+pub fn new_id() -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 16];
+    // The OS's generator does not fail once the process runs; were it to,
+    // a v4 UUID (122 bits from a CSPRNG as well) is the fallback.
+    if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
+        bytes = uuid::Uuid::new_v4().into_bytes();
+    }
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    bytes.iter().flat_map(|b| [HEX[usize::from(b >> 4)] as char, HEX[usize::from(b & 15)] as char]).collect()
+}
+
 /// A stored conversation.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoredSession {

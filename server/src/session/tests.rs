@@ -63,3 +63,22 @@ async fn the_session_cap_is_enforced() {
     tokio::time::advance(Duration::from_secs(61)).await;
     assert!(store.acquire("c", "x", true).await.is_ok());
 }
+
+/// Session ids carry 128 random bits: 32 hex digits, never repeated.
+#[test]
+fn session_ids_are_128_random_bits() {
+    let ids: std::collections::HashSet<String> = (0..1000).map(|_| new_id()).collect();
+    assert_eq!(ids.len(), 1000);
+    for id in &ids {
+        assert_eq!(id.len(), 32, "{id}");
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()), "{id}");
+    }
+    // Every bit position takes both values across the sample.
+    let (mut ones, mut zeros) = (0u128, 0u128);
+    for id in &ids {
+        let v = u128::from_str_radix(id, 16).unwrap();
+        ones |= v;
+        zeros |= !v;
+    }
+    assert_eq!((ones, zeros), (u128::MAX, u128::MAX));
+}
