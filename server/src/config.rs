@@ -962,6 +962,7 @@ impl Validator<'_> {
             Some(t) => (Some(t.span()), Some(t.into_inner())),
             None => (None, None),
         };
+        let self_dir = self.dir.clone();
         let mut read = |file: Option<String>, name: &str| {
             let file = file?;
             let path = self.dir.join(&file);
@@ -976,6 +977,12 @@ impl Validator<'_> {
         let tls = match raw {
             None => None,
             Some(raw) => {
+                let path = |f: &Option<String>| f.as_ref().map(|f| self_dir.join(f));
+                let files = crate::peer::TlsFiles {
+                    ca: path(&raw.ca_file),
+                    cert: path(&raw.cert_file),
+                    key: path(&raw.key_file),
+                };
                 let ca_pem = read(raw.ca_file, "ca_file");
                 let cert = read(raw.cert_file, "cert_file");
                 let key = read(raw.key_file, "key_file");
@@ -991,7 +998,7 @@ impl Validator<'_> {
                         None
                     }
                 };
-                Some(Tls { ca_pem, identity, server_name: raw.server_name })
+                Some(Tls { ca_pem, identity, server_name: raw.server_name, files: Some(files) })
             }
         };
         if let Err(why) = crate::peer::check(e.get_ref(), tls.as_ref()) {

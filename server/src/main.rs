@@ -279,7 +279,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 );
                 match files {
                     (Ok(ca_pem), Ok(cert), Ok(key)) => {
-                        Some(lattice_server::peer::Tls { ca_pem, identity: cert.zip(key), server_name })
+                        Some(lattice_server::peer::Tls { ca_pem, identity: cert.zip(key), server_name, files: None })
                     }
                     (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
                         eprintln!("lattice query: {e}");
@@ -344,7 +344,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     (Some(c), Some(k)) => Some((read(c)?, read(k)?)),
                     _ => None,
                 };
-                Ok(Some(Tls { ca_pem: ca_file.as_ref().map(read).transpose()?, identity, server_name }))
+                Ok(Some(Tls { ca_pem: ca_file.as_ref().map(read).transpose()?, identity, server_name, files: None }))
             })();
             let tls = match tls {
                 Ok(t) => t,

@@ -213,3 +213,59 @@ async fn redact_over_mutual_tls(ca: &TestCa, client: &Leaf, endpoint: &str) {
     out.hook_failure();
     assert!(!out.everything().contains("ada@example.com"));
 }
+
+/// The certificate Lattice presents to a hook follows its files: a hook
+/// that refuses the first one (another CA signed it) takes the one written
+/// over it within seconds, with no restart. Files that don't load keep the
+/// certificate in force, and the log says why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rotated_client_certificate_reaches_new_hook_connections() {
+    let secret = canary();
+    let (ca, other) = (TestCa::new("rotate"), TestCa::new("rotate-old"));
+    let hook_cert = ca.issue("hook.test");
+    let hook = sdk_hook(Tls::new(&hook_cert.cert_pem, &hook_cert.key_pem).require_client_ca(&ca.pem)).await;
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", &secret)]).await;
+    // Lattice's client certificate, as a mounted Secret: the old CA's first.
+    let dir = lattice_tests::temp_dir("tls-rotate");
+    let refused = other.issue("lattice.test");
+    let live = Leaf {
+        cert_file: dir.join("tls.crt"),
+        key_file: dir.join("tls.key"),
+        cert_pem: refused.cert_pem.clone(),
+        key_pem: refused.key_pem.clone(),
+    };
+    std::fs::write(&live.cert_file, &refused.cert_pem).unwrap();
+    std::fs::write(&live.key_file, &refused.key_pem).unwrap();
+    let hook_cfg = cfg::hook("redact", &format!("https://127.0.0.1:{}", hook.port), &["tool_result"], 2000)
+        + &tls_line(Some(&ca.file), Some(&live), "hook.test");
+    let lattice = Lattice::start_unready(&agent(&cfg::tools(&tools.url, 2000), &hook_cfg)).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.hook_failure()["hook"], "redact", "the hook refuses the old CA's certificate");
+    assert_no_leak(&secret, &lattice, &out);
+
+    let accepted = ca.issue("lattice.test");
+    std::fs::write(&live.cert_file, &accepted.cert_pem).unwrap();
+    std::fs::write(&live.key_file, &accepted.key_pem).unwrap();
+    let works = async {
+        loop {
+            let out = lattice.query("x", "go").await;
+            if out.status.is_none() {
+                return out;
+            }
+            assert_no_leak(&secret, &lattice, &out);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let out = tokio::time::timeout(Duration::from_secs(5), works).await.expect("the new certificate is used");
+    assert_eq!(out.ok().text, "model saw clean");
+
+    std::fs::write(&live.key_file, "-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n").unwrap();
+    let logged = async {
+        while !lattice_tests::logs().contains("peer tls: certificates not reloaded") {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), logged).await.expect("the failed reload is logged");
+    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean", "the loaded certificate stays");
+    assert!(!lattice_tests::logs().contains(accepted.key_pem.lines().nth(1).unwrap()), "no key in the logs");
+}

@@ -23,6 +23,7 @@
 mod call;
 mod direct;
 mod pool;
+mod tls;
 
 use std::{
     fmt,
@@ -35,6 +36,7 @@ pub use call::{CallDeadline, ProbedBody};
 pub use pool::HEALTH_CONNECT_TIMEOUT;
 use pool::{Calls, Pool};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+pub use tls::TlsFiles;
 use tonic::{
     codegen::http,
     transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
@@ -95,6 +97,9 @@ pub struct Tls {
     /// The name the service's certificate must carry; by default the
     /// endpoint's host.
     pub server_name: Option<String>,
+    /// The files the PEM texts were read from: set, they are re-read when
+    /// they change (see [`tls`]).
+    pub files: Option<TlsFiles>,
 }
 
 impl fmt::Debug for Tls {
@@ -104,6 +109,7 @@ impl fmt::Debug for Tls {
             .field("ca", &self.ca_pem.is_some())
             .field("client_identity", &self.identity.is_some())
             .field("server_name", &self.server_name)
+            .field("files", &self.files)
             .finish()
     }
 }
@@ -150,7 +156,7 @@ impl Tls {
 #[derive(Debug, Clone)]
 struct Checked {
     target: Target,
-    tls: Option<ClientTlsConfig>,
+    tls: Option<Arc<tls::ClientTls>>,
 }
 
 impl Checked {
@@ -162,42 +168,53 @@ impl Checked {
         if tls.is_some() && !uses_tls(endpoint, tls) {
             return Err("a tls setting needs an https:// or dns:/// endpoint".into());
         }
-        let tls = uses_tls(endpoint, tls).then(|| {
-            let host = match &target {
-                Target::Dns { host, .. } => Some(host.as_str()),
-                Target::Uri(_) => None,
-            };
-            tls.cloned().unwrap_or_default().client_config(host)
-        });
-        if let Some(config) = &tls {
-            // Building a connector parses the certificates and the key.
-            Endpoint::from_static("https://lattice.invalid")
-                .tls_config(config.clone())
-                .map_err(|e| format!("TLS: {}", error_chain(&e)))?;
-        }
+        let tls = match uses_tls(endpoint, tls) {
+            true => Some(tls::ClientTls::new(&tls.cloned().unwrap_or_default()).map_err(|e| format!("TLS: {e}"))?),
+            false => None,
+        };
         Ok(Checked { target, tls })
+    }
+
+    /// The name a `dns:///` target's certificates must carry: its host
+    /// (each address is connected to by IP).
+    fn dns_host(&self) -> Option<&str> {
+        match &self.target {
+            Target::Dns { host, .. } => Some(host),
+            Target::Uri(_) => None,
+        }
     }
 
     /// Two lazy connections to `uri`: one for calls (without a buffer task
     /// when plaintext, see [`direct`]), one for health checks (see
     /// [`pool::HEALTH_CONNECT_TIMEOUT`]).
     fn channels(&self, uri: &str, connect_timeout: Duration) -> Result<(Calls, Channel), String> {
-        let endpoint = self.endpoint(uri.to_owned(), connect_timeout)?;
-        let calls = match (&self.tls, endpoint.uri().authority()) {
-            (None, Some(authority)) => Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout)?),
-            _ => Calls::Channel(endpoint.connect_lazy()),
+        let calls = match &self.tls {
+            None => {
+                let endpoint = Endpoint::from_shared(uri.to_owned()).map_err(|e| e.to_string())?;
+                let authority = endpoint.uri().authority().ok_or("the endpoint has no host and port")?;
+                Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout)?)
+            }
+            Some(_) => Calls::Channel(self.lazy(uri, connect_timeout)?),
         };
-        let health = self.endpoint(uri.to_owned(), pool::HEALTH_CONNECT_TIMEOUT.min(connect_timeout))?.connect_lazy();
+        let health = self.lazy(uri, pool::HEALTH_CONNECT_TIMEOUT.min(connect_timeout))?;
         Ok((calls, health))
     }
 
-    fn endpoint(&self, uri: String, connect_timeout: Duration) -> Result<Endpoint, String> {
-        let e = Endpoint::from_shared(uri).map_err(|e| e.to_string())?;
-        let e = match &self.tls {
-            Some(config) => e.tls_config(config.clone()).map_err(|e| format!("TLS: {}", error_chain(&e)))?,
-            None => e,
+    /// A lazy channel to `uri`; over TLS, each connection is made by
+    /// [`tls::Connect`] with the certificates current then.
+    fn lazy(&self, uri: &str, connect_timeout: Duration) -> Result<Channel, String> {
+        let Some(tls) = &self.tls else {
+            let e = Endpoint::from_shared(uri.to_owned()).map_err(|e| e.to_string())?;
+            return Ok(settings(e, connect_timeout).connect_lazy());
         };
-        Ok(settings(e, connect_timeout))
+        // tonic's own TLS would take an https:// endpoint; ours connects
+        // through the connector, and the requests still say https.
+        let origin: http::Uri = uri.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
+        let host = origin.host().ok_or("the endpoint has no host")?;
+        let connector = tls.connector(self.dns_host().unwrap_or(host))?;
+        let plain = uri.replacen("https://", "http://", 1);
+        let e = Endpoint::from_shared(plain).map_err(|e| e.to_string())?.origin(origin.clone());
+        Ok(settings(e, connect_timeout).connect_with_connector_lazy(connector))
     }
 }
 
@@ -248,6 +265,9 @@ impl Peer {
     ) -> Result<Peer, String> {
         let checked = Checked::new(endpoint, tls)?;
         let uses_tls = checked.tls.is_some();
+        if let Some(client) = &checked.tls {
+            client.watch(&tls.cloned().unwrap_or_default());
+        }
         let pool = match &checked.target {
             Target::Uri(uri) => {
                 let (channel, health) = checked.channels(uri, connect_timeout)?;
