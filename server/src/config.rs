@@ -1150,10 +1150,19 @@ impl Validator<'_> {
             key_file: file(raw.key_file, "key_file"),
             client_ca_file: raw.client_ca_file.map(|f| self.dir.join(f)),
         };
-        if !settings.cert_file.as_os_str().is_empty()
-            && !settings.key_file.as_os_str().is_empty()
-            && let Err(e) = crate::tls::ServerTls::load(&settings)
-        {
+        if settings.cert_file.as_os_str().is_empty() || settings.key_file.as_os_str().is_empty() {
+            return settings;
+        }
+        let files = [Some(&settings.cert_file), Some(&settings.key_file), settings.client_ca_file.as_ref()];
+        let missing: Vec<String> =
+            files.into_iter().flatten().filter(|f| !f.exists()).map(|f| f.display().to_string()).collect();
+        if !missing.is_empty() && self.secrets == Secrets::Optional {
+            // check-config: like an API key, a mounted Secret is needed to
+            // serve, not to check.
+            let line = Some(line_of(self.text, span.start));
+            let message = format!("{} not found (serving needs them: a mounted Secret?)", missing.join(", "));
+            self.warnings.push(Problem { line, field: "server.tls".into(), message });
+        } else if let Err(e) = crate::tls::ServerTls::load(&settings) {
             self.problem(Some(span), "server.tls", e);
         }
         settings
