@@ -158,6 +158,10 @@ struct RawAuth {
     /// Principals that may use the admin RPCs (TestHooks).
     #[serde(default)]
     admins: Vec<String>,
+    /// Named sets of principals, used as `group:<name>` in `admins` and in
+    /// an agent's `principals`.
+    #[serde(default)]
+    groups: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -468,8 +472,10 @@ pub struct ServerSettings {
 pub struct AuthSettings {
     /// How clients prove who they are.
     pub mode: AuthMode,
-    /// Principals that may use the admin RPCs.
+    /// Principals that may use the admin RPCs (groups expanded).
     pub admins: Vec<String>,
+    /// `[server.auth.groups]`: named sets of principals.
+    pub groups: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 /// How clients prove who they are.
@@ -802,6 +808,31 @@ fn parse_with(
         v.problems.sort_by_key(|p| p.line.unwrap_or(0));
         Err(fail(v.problems))
     }
+}
+
+/// `principals` with every `group:<name>` replaced by its members
+/// (`[server.auth.groups]`); the error is an unknown group's name.
+fn expand_groups(
+    principals: &[String],
+    groups: &std::collections::BTreeMap<String, Vec<String>>,
+) -> Result<Vec<String>, String> {
+    let mut out: Vec<String> = Vec::new();
+    for p in principals {
+        let members = match p.strip_prefix("group:") {
+            Some(group) => groups.get(group).ok_or_else(|| group.to_owned())?.as_slice(),
+            None => std::slice::from_ref(p),
+        };
+        for m in members {
+            if !out.contains(m) {
+                out.push(m.clone());
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn unknown_group(name: &str) -> String {
+    format!("no group {name:?} in [server.auth.groups]")
 }
 
 /// `server.admin_listen` (and `--admin-listen`): an address, or "off".
@@ -1220,7 +1251,11 @@ impl Validator<'_> {
         {
             self.problem(None, "server.auth.tokens_file", e);
         }
-        AuthSettings { mode, admins: raw.admins }
+        let admins = expand_groups(&raw.admins, &raw.groups).unwrap_or_else(|unknown| {
+            self.problem(None, "server.auth.admins", unknown_group(&unknown));
+            Vec::new()
+        });
+        AuthSettings { mode, admins, groups: raw.groups }
     }
 
     fn sessions(&mut self, s: RawSessions) -> SessionSettings {
@@ -1450,7 +1485,12 @@ impl Validator<'_> {
             tool_sources,
             delegates,
             hooks,
-            principals: a.principals,
+            principals: a.principals.map(|p| {
+                expand_groups(&p, &server.auth.groups).unwrap_or_else(|unknown| {
+                    self.problem(None, at("principals"), unknown_group(&unknown));
+                    Vec::new()
+                })
+            }),
         }
     }
 

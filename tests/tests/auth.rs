@@ -300,3 +300,48 @@ async fn per_principal_limits_refuse_with_a_retry_hint() {
     assert_eq!(over.code(), Code::ResourceExhausted);
     assert!(over.message().contains("queries_per_minute") && over.message().contains("retry in"), "{over:?}");
 }
+
+/// `[server.auth.groups]` names sets of principals, used as `group:<name>`
+/// in an agent's `principals` and in `admins`; an unknown group is a config
+/// error that names it.
+#[tokio::test(flavor = "multi_thread")]
+async fn groups_name_sets_of_principals() {
+    let dir = temp_dir("auth-groups");
+    let tokens = dir.join("tokens.txt");
+    let (alice, bob, carol) = ("alice-group-token", "bob-group-token", "carol-group-token");
+    tokens_file(&tokens, &[("alice", alice), ("bob", bob), ("carol", carol)]);
+    let auth = format!(
+        "[server.auth]\nmode = \"token\"\ntokens_file = {:?}\nadmins = [\"group:ops\"]\n\
+         [server.auth.groups]\nfrontends = [\"alice\", \"bob\"]\nops = [\"carol\"]\n",
+        tokens.display().to_string()
+    );
+    let agent = cfg::agent("support", "principals = [\"group:frontends\"]") + &cfg::turn("hello", &[]);
+    let lattice = Lattice::spawn(&(auth.clone() + &agent), &[]).await;
+    for member in [alice, bob] {
+        assert_eq!(lattice.query_with(with_token("support", Some(member))).await.ok().text, "hello");
+    }
+    let denied = lattice.query_with(with_token("support", Some(carol))).await;
+    assert_eq!(denied.status.as_ref().map(|s| s.code()), Some(Code::PermissionDenied));
+    let mut client = lattice.client().await;
+    let dry = pb::TestHooksRequest {
+        agent: "support".into(),
+        value: Some(Value::ToolResult(pb::TestToolResult {
+            tool_name: "t".into(),
+            input: None,
+            result: Some(pb::ToolResultBlock { tool_use_id: "toolu_1".into(), content: vec![], is_error: false }),
+        })),
+    };
+    assert!(client.test_hooks(authed(dry.clone(), carol)).await.is_ok(), "carol is in group ops: an admin");
+    assert_eq!(client.test_hooks(authed(dry, alice)).await.unwrap_err().code(), Code::PermissionDenied);
+
+    let path = dir.join("unknown.toml");
+    std::fs::write(&path, auth + &cfg::agent("a", "principals = [\"group:nobody\"]") + &cfg::turn("hi", &[])).unwrap();
+    let out = std::process::Command::new(lattice_tests::workspace_binary("lattice"))
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{text}");
+    assert!(text.contains("agents[0].principals") && text.contains("\"nobody\""), "{text}");
+}
