@@ -13,7 +13,7 @@ mod ordered;
 
 use futures_util::future::BoxFuture;
 use tokio::{sync::mpsc, time::Instant};
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, debug_span, info, warn};
 
 use crate::{
     config::{AgentDef, Config, ServerSettings},
@@ -401,51 +401,63 @@ impl Runtime {
         let mut last_text = String::new();
         for turn in 1..=agent.def.max_turns {
             check_deadline(ctx)?;
-            let request = ModelRequest {
-                system: agent.def.system_prompt.clone(),
-                messages: as_request(&messages),
-                tools: tools.specs.clone(),
-            };
-            let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
-            self.tracer.emit(scope, TraceEvent::ModelRequest { turn, request: &request }).await;
-            if ctx.include_model_requests {
-                ctx.send(Event::ModelRequest { turn, request: &request }).await?;
-            }
-            let reply = self.call_model(agent, ctx, turn, &request).await?;
-            drop(request);
-            debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), "model replied");
-            usage += reply.usage;
-            self.tracer
-                .emit(
-                    scope,
-                    TraceEvent::AssistantMessage {
-                        turn,
-                        content: &reply.content,
+            // One span per turn: its hooks, its model request, its tools.
+            let span = debug_span!(target: crate::telemetry::SPAN_TARGET, "turn", turn);
+            let (messages, usage, last_text) = (&mut messages, &mut usage, &mut last_text);
+            let done = async {
+                let request = ModelRequest {
+                    system: agent.def.system_prompt.clone(),
+                    messages: as_request(messages),
+                    tools: tools.specs.clone(),
+                };
+                let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
+                self.tracer.emit(scope, TraceEvent::ModelRequest { turn, request: &request }).await;
+                if ctx.include_model_requests {
+                    ctx.send(Event::ModelRequest { turn, request: &request }).await?;
+                }
+                let reply = self.call_model(agent, ctx, turn, &request).await?;
+                drop(request);
+                debug!(agent = %agent.def.name, turn, blocks = reply.content.len(), "model replied");
+                *usage += reply.usage;
+                self.tracer
+                    .emit(
+                        scope,
+                        TraceEvent::AssistantMessage {
+                            turn,
+                            content: &reply.content,
+                            stop_reason: reply.stop_reason,
+                            usage: reply.usage,
+                        },
+                    )
+                    .await;
+                ctx.send(Event::Assistant { turn, content: &reply.content }).await?;
+                *last_text = text_of(&reply.content);
+                let uses: Vec<ToolUse> = reply.tool_uses().cloned().collect();
+                for u in &uses {
+                    self.tracer.emit(scope, TraceEvent::ToolUse { turn, id: &u.id, name: &u.name }).await;
+                }
+                if !reply.content.is_empty() {
+                    messages.push(Message { role: Role::Assistant, content: reply.content });
+                }
+                if uses.is_empty() {
+                    return Ok(Some(RunOutcome {
+                        messages: std::mem::take(messages),
+                        text: std::mem::take(last_text),
                         stop_reason: reply.stop_reason,
-                        usage: reply.usage,
-                    },
-                )
-                .await;
-            ctx.send(Event::Assistant { turn, content: &reply.content }).await?;
-            last_text = text_of(&reply.content);
-            let uses: Vec<ToolUse> = reply.tool_uses().cloned().collect();
-            for u in &uses {
-                self.tracer.emit(scope, TraceEvent::ToolUse { turn, id: &u.id, name: &u.name }).await;
+                        turns: turn,
+                        usage: *usage,
+                    }));
+                }
+                let results = self.run_tools(agent, ctx, turn, &uses).await?;
+                messages
+                    .push(Message { role: Role::User, content: results.into_iter().map(Block::ToolResult).collect() });
+                Ok::<_, AgentError>(None)
             }
-            if !reply.content.is_empty() {
-                messages.push(Message { role: Role::Assistant, content: reply.content });
+            .instrument(span)
+            .await?;
+            if let Some(outcome) = done {
+                return Ok(outcome);
             }
-            if uses.is_empty() {
-                return Ok(RunOutcome {
-                    messages,
-                    text: last_text,
-                    stop_reason: reply.stop_reason,
-                    turns: turn,
-                    usage,
-                });
-            }
-            let results = self.run_tools(agent, ctx, turn, &uses).await?;
-            messages.push(Message { role: Role::User, content: results.into_iter().map(Block::ToolResult).collect() });
         }
         Ok(RunOutcome {
             messages,
@@ -477,7 +489,18 @@ impl Runtime {
             drop(delta_tx);
             DeltaSink::default()
         };
-        let complete = agent.model.complete(request, ctx.step(turn), sink);
+        let span = debug_span!(
+            target: crate::telemetry::SPAN_TARGET,
+            "model_request",
+            otel.kind = "client",
+            model = %agent.def.model.label(),
+            turn,
+            messages = request.messages.len(),
+            outcome = tracing::field::Empty,
+            input_tokens = tracing::field::Empty,
+            output_tokens = tracing::field::Empty,
+        );
+        let complete = agent.model.complete(request, ctx.step(turn), sink).instrument(span.clone());
         let forward = async {
             while let Some(text) = delta_rx.recv().await {
                 ctx.send(Event::TextDelta { turn, text }).await?;
@@ -494,10 +517,14 @@ impl Runtime {
             Err(_) if Instant::now() >= deadline => Err(AgentError::DeadlineExceeded),
             Err(e) => {
                 record.finish(e.kind.as_str());
+                span.record("outcome", e.kind.as_str());
                 Err(e.into())
             }
             Ok(reply) => {
                 record.finish("ok");
+                span.record("outcome", "ok")
+                    .record("input_tokens", reply.usage.input_tokens)
+                    .record("output_tokens", reply.usage.output_tokens);
                 Ok(reply)
             }
         }
@@ -524,7 +551,16 @@ impl Runtime {
         }
         let mut calls = Vec::with_capacity(uses.len());
         for (i, u) in uses.iter().enumerate() {
-            calls.push(self.run_tool(agent, ctx, turn, i, u));
+            let span = debug_span!(
+                target: crate::telemetry::SPAN_TARGET,
+                "tool_call",
+                otel.kind = "client",
+                tool = %u.name,
+                tool_use_id = %u.id,
+                outcome = tracing::field::Empty,
+                result_bytes = tracing::field::Empty,
+            );
+            calls.push(self.run_tool(agent, ctx, turn, i, u).instrument(span));
         }
         let mut ordered = ordered::InOrder::new(calls, agent.def.parallel_tool_calls);
         let mut results = Vec::with_capacity(uses.len());
@@ -617,6 +653,7 @@ impl Runtime {
         };
         check_deadline(ctx)?;
         agent.metrics.tool_call(&call.name, raw.outcome);
+        tracing::Span::current().record("outcome", outcome_name(raw.outcome));
         let view = ToolCallView {
             tool_name: &call.name,
             tool_use_id: &call.id,
@@ -625,6 +662,7 @@ impl Runtime {
             source: raw.source,
         };
         let result = agent.hooks.on_tool_result(ctx.step(turn), &view, raw.result).await?;
+        tracing::Span::current().record("result_bytes", result.len() as u64);
         Ok((index, (result, raw.outcome, started.elapsed())))
     }
 

@@ -92,6 +92,16 @@ struct RawConfig {
     sessions: RawSessions,
     #[serde(default)]
     agents: Vec<RawAgent>,
+    #[serde(default)]
+    telemetry: RawTelemetry,
+}
+
+/// `[telemetry]`: OpenTelemetry traces over OTLP.
+#[derive(Debug, Default, Deserialize)]
+struct RawTelemetry {
+    otlp_endpoint: Option<Spanned<String>>,
+    service_name: Option<String>,
+    sampling_ratio: Option<Spanned<f64>>,
 }
 
 /// `[sessions]`: where conversations live.
@@ -288,6 +298,7 @@ fn yes() -> bool {
 // Which tables sit under which keys (for the key check; see `document`).
 static ROOT: Shape = Shape { fields: fields_of::<RawConfig>, child: root_child };
 static SESSIONS: Shape = Shape { fields: fields_of::<RawSessions>, child: no_child };
+static TELEMETRY: Shape = Shape { fields: fields_of::<RawTelemetry>, child: no_child };
 static SERVER: Shape = Shape { fields: fields_of::<RawServer>, child: server_child };
 static SERVER_TLS: Shape = Shape { fields: fields_of::<RawServerTls>, child: no_child };
 static AUTH: Shape = Shape { fields: fields_of::<RawAuth>, child: no_child };
@@ -310,6 +321,7 @@ fn root_child(key: &str) -> Option<&'static Shape> {
     match key {
         "server" => Some(&SERVER),
         "sessions" => Some(&SESSIONS),
+        "telemetry" => Some(&TELEMETRY),
         "agents" => Some(&AGENT),
         _ => None,
     }
@@ -367,6 +379,8 @@ pub struct Config {
     pub sessions: SessionSettings,
     /// The agents, in file order.
     pub agents: Vec<AgentDef>,
+    /// OpenTelemetry export (`[telemetry]`).
+    pub telemetry: crate::telemetry::TelemetrySettings,
 }
 
 /// Where conversations live (`[sessions]`).
@@ -909,6 +923,11 @@ impl Validator<'_> {
                         parts.raw.sessions = sessions;
                     }
                 }
+                "telemetry" => {
+                    if let Some(telemetry) = self.typed(value, "telemetry") {
+                        parts.raw.telemetry = telemetry;
+                    }
+                }
                 "agents" => {
                     parts.has_agents = true;
                     let span = value.span();
@@ -1053,6 +1072,7 @@ impl Validator<'_> {
         let raw = parts.raw;
         let server = self.server(raw.server);
         let sessions = self.sessions(raw.sessions);
+        let telemetry = self.telemetry(raw.telemetry);
         if !parts.has_agents {
             self.problem(None, "agents", "no agents are defined: add at least one [[agents]] table");
         }
@@ -1075,7 +1095,7 @@ impl Validator<'_> {
             agents.push(self.agent(i, a, &names, &server));
         }
         self.cycles(&agents, &spans);
-        Config { server, sessions, agents }
+        Config { server, sessions, agents, telemetry }
     }
 
     fn server(&mut self, s: RawServer) -> ServerSettings {
@@ -1256,6 +1276,24 @@ impl Validator<'_> {
             Vec::new()
         });
         AuthSettings { mode, admins, groups: raw.groups }
+    }
+
+    fn telemetry(&mut self, t: RawTelemetry) -> crate::telemetry::TelemetrySettings {
+        if let Some(e) = &t.otlp_endpoint
+            && !(e.get_ref().starts_with("http://") || e.get_ref().starts_with("https://"))
+        {
+            self.problem(Some(e.span()), "telemetry.otlp_endpoint", "an OTLP/gRPC URL like http://otel-collector:4317");
+        }
+        if let Some(r) = &t.sampling_ratio
+            && !(0.0..=1.0).contains(r.get_ref())
+        {
+            self.problem(Some(r.span()), "telemetry.sampling_ratio", "a fraction from 0.0 to 1.0");
+        }
+        crate::telemetry::TelemetrySettings {
+            otlp_endpoint: t.otlp_endpoint.map(Spanned::into_inner),
+            service_name: t.service_name,
+            sampling_ratio: t.sampling_ratio.map(Spanned::into_inner),
+        }
     }
 
     fn sessions(&mut self, s: RawSessions) -> SessionSettings {

@@ -531,12 +531,15 @@ impl HookChain {
         // One span per call at debug (the metrics keep the numbers);
         // `outcome` and `elapsed_ms` are recorded when it ends.
         let span = debug_span!(
+            target: crate::telemetry::SPAN_TARGET,
             "hook",
+            otel.kind = "client",
             agent = %self.agent,
             hook = %hook.name,
             event = %event,
             subject = %subject,
             budget_ms = tracing::field::Empty,
+            request_bytes = tracing::field::Empty,
             outcome = tracing::field::Empty,
             elapsed_ms = tracing::field::Empty,
         );
@@ -549,13 +552,14 @@ impl HookChain {
         } else if hook.peer.none() {
             HookFailure::Unavailable
         } else {
-            span.record("budget_ms", budget.as_millis() as u64);
+            span.record("budget_ms", budget.as_millis() as u64).record("request_bytes", bytes as u64);
             let probe = Probe::default();
             let mut request = tonic::Request::new(message);
             // The transport sends the time left as grpc-timeout (on a
             // transparent retry too; see `peer`).
             request.extensions_mut().insert(CallDeadline(call_deadline));
             request.extensions_mut().insert(probe.clone());
+            crate::telemetry::inject(&span, request.metadata_mut());
             match tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await {
                 Err(_elapsed) => HookFailure::Deadline,
                 // Whatever ends the call once its deadline has come (a hook

@@ -42,6 +42,7 @@ pub mod peer;
 pub mod service;
 pub mod session;
 pub mod status;
+pub mod telemetry;
 pub mod tls;
 pub mod tools;
 pub mod trace;

@@ -42,9 +42,21 @@ pub enum Format {
 /// Installs the global subscriber: levels from `RUST_LOG` (default `info`),
 /// to stderr, with the transport crates dropped unless opted in.
 pub fn init(format: Format) {
-    let levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_with(format, None);
+}
+
+/// [`init`], with the spans of [`crate::telemetry::SPAN_TARGET`] exported
+/// to `tracer` (and enabled at debug, whatever `RUST_LOG` says).
+pub fn init_with(format: Format, tracer: Option<opentelemetry_sdk::trace::Tracer>) {
+    let mut levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    if tracer.is_some()
+        && let Ok(directive) = format!("{}=debug", crate::telemetry::SPAN_TARGET).parse()
+    {
+        levels = levels.add_directive(directive);
+    }
     let opted_in = std::env::var(TRANSPORT_OPT_IN).is_ok_and(|v| v == "1");
-    let _ = subscriber(format, levels, opted_in, std::io::stderr).try_init();
+    let otel = tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t));
+    let _ = subscriber(format, levels, opted_in, std::io::stderr).with(otel).try_init();
     if opted_in {
         tracing::warn!("{TRANSPORT_OPT_IN}=1: transport crates may log bytes received from peers");
     }
@@ -57,7 +69,12 @@ pub fn init(format: Format) {
 /// and the h2 and hyper events on every frame cost nothing. (A per-layer
 /// filter answers `enabled` with "maybe", which made the trace writer
 /// serialize every event for a log line that was then dropped.)
-fn subscriber<W>(format: Format, levels: EnvFilter, opted_in: bool, writer: W) -> impl tracing::Subscriber + Send + Sync
+fn subscriber<W>(
+    format: Format,
+    levels: EnvFilter,
+    opted_in: bool,
+    writer: W,
+) -> impl tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a> + Send + Sync
 where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {

@@ -158,7 +158,8 @@ fn main() -> ExitCode {
     let mut workers = None;
     let mut loaded = None;
     if let Command::Serve { config, .. } = &cli.command {
-        init_logs(cli.log_format);
+        // Logging starts once the runtime runs (the OpenTelemetry exporter
+        // lives on it); config::load logs nothing.
         match config::load(config) {
             Ok(c) => {
                 workers = c.server.worker_threads;
@@ -182,7 +183,42 @@ fn main() -> ExitCode {
         None => tokio::runtime::Builder::new_multi_thread(),
     };
     match runtime.enable_all().build() {
-        Ok(rt) => rt.block_on(run_command(cli, loaded)),
+        Ok(rt) => {
+            let mut telemetry = None;
+            if let Some(cfg) = &loaded {
+                let _entered = rt.enter();
+                let tracer = if cfg.telemetry.enabled(&|v| std::env::var(v).ok()) {
+                    match lattice_server::telemetry::start(&cfg.telemetry) {
+                        Ok((tracer, guard)) => {
+                            telemetry = Some(guard);
+                            Some(tracer)
+                        }
+                        Err(e) => {
+                            eprintln!("lattice: telemetry: {e}");
+                            return ExitCode::from(EXIT_CONFIG);
+                        }
+                    }
+                } else {
+                    None
+                };
+                logging::init_with(
+                    match cli.log_format {
+                        LogFormat::Text => logging::Format::Text,
+                        LogFormat::Json => logging::Format::Json,
+                    },
+                    tracer,
+                );
+            }
+            rt.block_on(async {
+                let code = run_command(cli, loaded).await;
+                // Flushes the spans still queued, while the runtime still
+                // drives the exporter's connection.
+                if let Some(t) = telemetry {
+                    let _ = tokio::task::spawn_blocking(move || drop(t)).await;
+                }
+                code
+            })
+        }
         Err(e) => {
             eprintln!("lattice: cannot start the runtime: {e}");
             ExitCode::FAILURE

@@ -106,6 +106,7 @@ impl AgentSvc {
     ) -> Result<Response<EventStream>, Status> {
         let principal = self.auth.authenticate(&request)?;
         *who = Some(principal.name.clone());
+        let parent = crate::telemetry::incoming(request.metadata());
         let budget = self.budget(request.metadata());
         let deadline = Instant::now() + budget;
         let req = request.into_inner();
@@ -142,7 +143,19 @@ impl AgentSvc {
             return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
         }
         let query_id = uuid::Uuid::new_v4().to_string();
-        let span = info_span!("query", agent = %agent.def.name, principal = %principal.name, session_id = %session_id, query_id = %query_id);
+        let span = info_span!(
+            target: crate::telemetry::SPAN_TARGET,
+            "query",
+            otel.kind = "server",
+            agent = %agent.def.name,
+            principal = %principal.name,
+            session_id = %session_id,
+            query_id = %query_id,
+            budget_ms = budget.as_millis() as u64,
+            outcome = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        crate::telemetry::set_parent(&span, parent);
         debug!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
 
         let (out_tx, out_rx) = mpsc::channel::<Out>(32);
@@ -212,6 +225,11 @@ impl AgentSvc {
             let failure = outcome.as_ref().err().map(status::agent_error);
             let code = failure.as_ref().map_or(tonic::Code::Ok, Status::code);
             agent.metrics.query(code, began.elapsed());
+            let span = tracing::Span::current();
+            span.record("outcome", status::code_name(code));
+            if code != tonic::Code::Ok {
+                span.record("otel.status_code", "ERROR");
+            }
             match outcome {
                 Ok((out, result)) => {
                     let (text, stop_reason, turns, usage) = (out.text, out.stop_reason, out.turns, out.usage);

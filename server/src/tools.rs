@@ -315,6 +315,7 @@ pub async fn call_remote(
     // The transport sends the time left as grpc-timeout (on a transparent
     // retry too; see `peer`).
     request.extensions_mut().insert(CallDeadline(deadline));
+    crate::telemetry::inject(&tracing::Span::current(), request.metadata_mut());
     let mut client = client.clone();
     match tokio::time::timeout_at(deadline, client.call_tool(request)).await {
         Err(_) => failed(K::Deadline, format!("tool {:?} did not answer within {} ms", call.name, budget.as_millis())),

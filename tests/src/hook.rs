@@ -86,6 +86,8 @@ pub struct Call {
     pub seen: Seen,
     /// Its grpc-timeout header.
     pub grpc_timeout: Option<String>,
+    /// Its W3C traceparent header (with telemetry on).
+    pub traceparent: Option<String>,
     /// When it arrived.
     pub at: Instant,
 }
@@ -215,8 +217,9 @@ impl HookServer {
 struct Scripted(Arc<State>);
 
 impl Scripted {
-    async fn behave(&self, seen: Seen, timeout: Option<String>) -> Result<Behaviour, Status> {
-        self.0.calls.lock().unwrap().push(Call { seen, grpc_timeout: timeout, at: Instant::now() });
+    async fn behave(&self, seen: Seen, headers: (Option<String>, Option<String>)) -> Result<Behaviour, Status> {
+        let (grpc_timeout, traceparent) = headers;
+        self.0.calls.lock().unwrap().push(Call { seen, grpc_timeout, traceparent, at: Instant::now() });
         let b = self.0.behaviour.lock().unwrap().clone();
         if b.hang {
             std::future::pending::<()>().await;
@@ -232,8 +235,10 @@ impl Scripted {
     }
 }
 
-fn timeout_of<T>(r: &Request<T>) -> Option<String> {
-    r.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).map(str::to_owned)
+/// A request's grpc-timeout and traceparent headers.
+fn timeout_of<T>(r: &Request<T>) -> (Option<String>, Option<String>) {
+    let header = |name: &str| r.metadata().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    (header("grpc-timeout"), header("traceparent"))
 }
 
 fn text_block(t: &str) -> apb::ContentBlock {

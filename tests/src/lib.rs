@@ -7,6 +7,7 @@ pub mod bad_hook;
 pub mod containers;
 pub mod fake_api;
 pub mod hook;
+pub mod otlp;
 pub mod postgres;
 pub mod raw_peer;
 pub mod tls;
@@ -773,6 +774,15 @@ pub async fn start_python_hook() -> (String, Child) {
 /// [`start_python_hook`] with extra arguments (`--tls-cert …`); the URL is
 /// `https://` when they include `--tls-cert`.
 pub async fn start_python_hook_with(args: &[&str]) -> (String, Child) {
+    python_hook(args, std::process::Stdio::inherit()).await
+}
+
+/// [`start_python_hook_with`], its JSON log lines (stderr) written to `log`.
+pub async fn start_python_hook_logging(args: &[&str], log: &Path) -> (String, Child) {
+    python_hook(args, std::fs::File::create(log).expect("the hook's log file").into()).await
+}
+
+async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let gen_dir = temp_dir("pygen");
     let example = workspace_root().join("hook-sdk/examples/python");
@@ -793,6 +803,7 @@ pub async fn start_python_hook_with(args: &[&str]) -> (String, Child) {
         .args(args)
         .env("LATTICE_PY_GEN", &gen_dir)
         .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
         .kill_on_drop(true)
         .spawn()
         .expect("python3");

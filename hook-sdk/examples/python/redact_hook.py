@@ -119,6 +119,19 @@ def redact(text: str) -> tuple[str, int]:
     return text, count
 
 
+def trace_ids(context):
+    """The trace this call belongs to, from Lattice's W3C traceparent header
+    (sent when Lattice exports OpenTelemetry traces), so that these log lines
+    join the query's trace. A server instrumented with
+    opentelemetry-instrumentation-grpc continues the trace by itself."""
+    for key, value in context.invocation_metadata():
+        if key == "traceparent":
+            parts = value.split("-")
+            if len(parts) == 4 and len(parts[1]) == 32 and len(parts[2]) == 16:
+                return {"trace_id": parts[1], "parent_span_id": parts[2]}
+    return {}
+
+
 class RedactHook(hooks_pb2_grpc.HookServiceServicer):
     def OnToolResult(self, request, context):
         total = 0
@@ -133,6 +146,7 @@ class RedactHook(hooks_pb2_grpc.HookServiceServicer):
             tool_use_id=request.tool_use_id,
             bytes=sum(len(b.text) for b in request.result.content),
             redacted=total,
+            **trace_ids(context),
         )
         if total == 0:
             return hooks_pb2.OnToolResultResponse()  # unset: keep

@@ -111,7 +111,13 @@ impl HttpModel {
         loop {
             let started = Instant::now();
             let attempt = async {
-                let response = wire.request(self, body).send().await.map_err(|e| Failure::retry(describe(&e)))?;
+                let mut builder = wire.request(self, body);
+                if crate::telemetry::enabled() {
+                    let mut headers = http::HeaderMap::new();
+                    crate::telemetry::inject_headers(&mut headers);
+                    builder = builder.headers(headers);
+                }
+                let response = builder.send().await.map_err(|e| Failure::retry(describe(&e)))?;
                 if !response.status().is_success() {
                     return Err(http_failure(response).await);
                 }
