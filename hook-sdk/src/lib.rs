@@ -40,6 +40,7 @@ use lattice_proto::hooks::v1::{
     hook_service_server::{HookService, HookServiceServer},
 };
 use tokio::net::TcpListener;
+use tracing::Instrument;
 
 pub use lattice_proto::agent::v1::{ContentBlock, Message, Role, TextBlock, ToolResultBlock, ToolSpec, content_block};
 pub use lattice_proto::hooks::v1::{HookContext, ResultSource, SourceKind, ToolError, ToolErrorKind};
@@ -62,6 +63,8 @@ pub struct ToolResultCall {
     pub error: Option<ToolError>,
     /// What produced the result.
     pub source: Option<ResultSource>,
+    /// The trace this call belongs to, when Lattice exports traces.
+    pub trace: Option<TraceParent>,
 }
 
 impl ToolResultCall {
@@ -87,6 +90,7 @@ impl From<pb::OnToolResultRequest> for ToolResultCall {
             result: r.result.unwrap_or_default(),
             error: r.error,
             source: r.source,
+            trace: None,
         }
     }
 }
@@ -106,6 +110,8 @@ pub struct ModelRequestCall {
     /// How many of the oldest messages were left out to fit the hook
     /// message limit (0 when none).
     pub omitted_messages: u32,
+    /// The trace this call belongs to, when Lattice exports traces.
+    pub trace: Option<TraceParent>,
 }
 
 impl From<pb::OnModelRequestRequest> for ModelRequestCall {
@@ -116,7 +122,88 @@ impl From<pb::OnModelRequestRequest> for ModelRequestCall {
             messages: r.messages,
             tools: r.tools,
             omitted_messages: r.omitted_messages,
+            trace: None,
         }
+    }
+}
+
+/// The W3C trace context of a call: Lattice sends the `traceparent` of
+/// its `hook` span with every call when it exports OpenTelemetry traces.
+///
+/// The SDK runs each call in a `hook_call` span (target
+/// `lattice_hook_sdk`) whose `trace_id` and `parent_span_id` fields carry
+/// it, so the hook's log lines join the query's trace. With the
+/// `opentelemetry` feature the span's OpenTelemetry parent is Lattice's
+/// span: a hook that installs a `tracing-opentelemetry` layer exports its
+/// spans under Lattice's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceParent {
+    /// 32 lowercase hex digits.
+    pub trace_id: String,
+    /// The id of Lattice's `hook` span: 16 lowercase hex digits.
+    pub parent_span_id: String,
+    /// Whether Lattice samples the trace.
+    pub sampled: bool,
+}
+
+impl TraceParent {
+    /// Parses a `traceparent` value (version 00); `None` if malformed or
+    /// all-zero.
+    pub fn parse(value: &str) -> Option<TraceParent> {
+        let mut parts = value.trim().split('-');
+        let (version, trace_id, span_id, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        let hex =
+            |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if version != "00" || !hex(trace_id, 32) || !hex(span_id, 16) || !hex(flags, 2) {
+            return None;
+        }
+        if trace_id.bytes().all(|b| b == b'0') || span_id.bytes().all(|b| b == b'0') {
+            return None;
+        }
+        let sampled = u8::from_str_radix(flags, 16).ok()? & 1 == 1;
+        Some(TraceParent { trace_id: trace_id.to_owned(), parent_span_id: span_id.to_owned(), sampled })
+    }
+
+    fn of(metadata: &tonic::metadata::MetadataMap) -> Option<TraceParent> {
+        metadata.get("traceparent").and_then(|v| v.to_str().ok()).and_then(TraceParent::parse)
+    }
+
+    /// The `traceparent` header value.
+    pub fn header(&self) -> String {
+        format!("00-{}-{}-{:02x}", self.trace_id, self.parent_span_id, u8::from(self.sampled))
+    }
+}
+
+/// The span a call runs in (see [`TraceParent`]).
+fn call_span(rpc: &'static str, trace: Option<&TraceParent>) -> tracing::Span {
+    let span = tracing::info_span!(
+        target: "lattice_hook_sdk",
+        "hook_call",
+        rpc,
+        otel.kind = "server",
+        trace_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
+    if let Some(t) = trace {
+        span.record("trace_id", t.trace_id.as_str()).record("parent_span_id", t.parent_span_id.as_str());
+        #[cfg(feature = "opentelemetry")]
+        otel::set_parent(&span, t);
+    }
+    span
+}
+
+#[cfg(feature = "opentelemetry")]
+mod otel {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    pub(crate) fn set_parent(span: &tracing::Span, t: &super::TraceParent) {
+        let (Ok(trace_id), Ok(span_id)) = (TraceId::from_hex(&t.trace_id), SpanId::from_hex(&t.parent_span_id)) else {
+            return;
+        };
+        let flags = if t.sampled { TraceFlags::SAMPLED } else { TraceFlags::default() };
+        let remote = SpanContext::new(trace_id, span_id, flags, true, TraceState::default());
+        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote));
     }
 }
 
@@ -309,7 +396,10 @@ impl<H: Hook> HookService for HookServer<H> {
         &self,
         request: tonic::Request<pb::OnToolResultRequest>,
     ) -> Result<tonic::Response<pb::OnToolResultResponse>, Status> {
-        let result = self.hook.on_tool_result(request.into_inner().into()).await?;
+        let trace = TraceParent::of(request.metadata());
+        let span = call_span("OnToolResult", trace.as_ref());
+        let call = ToolResultCall { trace, ..request.into_inner().into() };
+        let result = self.hook.on_tool_result(call).instrument(span).await?;
         Ok(tonic::Response::new(pb::OnToolResultResponse { result }))
     }
 
@@ -317,7 +407,10 @@ impl<H: Hook> HookService for HookServer<H> {
         &self,
         request: tonic::Request<pb::OnModelRequestRequest>,
     ) -> Result<tonic::Response<pb::OnModelRequestResponse>, Status> {
-        let change = self.hook.on_model_request(request.into_inner().into()).await?;
+        let trace = TraceParent::of(request.metadata());
+        let span = call_span("OnModelRequest", trace.as_ref());
+        let call = ModelRequestCall { trace, ..request.into_inner().into() };
+        let change = self.hook.on_model_request(call).instrument(span).await?;
         Ok(tonic::Response::new(pb::OnModelRequestResponse {
             system: change.system,
             messages: change.messages.map(|messages| pb::MessageList { messages }),
@@ -579,6 +672,28 @@ mod tests {
     struct Keep;
     #[async_trait]
     impl Hook for Keep {}
+
+    #[test]
+    fn traceparent_is_parsed_strictly() {
+        let t = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
+        assert_eq!(
+            (t.trace_id.as_str(), t.parent_span_id.as_str(), t.sampled),
+            ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", true)
+        );
+        assert_eq!(t.header(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        for bad in [
+            "",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        ] {
+            assert_eq!(TraceParent::parse(bad), None, "{bad}");
+        }
+        assert!(!TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").unwrap().sampled);
+    }
 
     fn call(text: &str) -> ToolResultCall {
         ToolResultCall {
