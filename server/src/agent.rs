@@ -698,6 +698,8 @@ impl Runtime {
                 session_id: crate::session::new_id(),
                 query_id: ctx.scope.query_id.clone(),
                 deadline,
+                // Its hook calls belong to the same query's record.
+                audit: ctx.scope.audit.clone(),
             },
             depth: ctx.depth + 1,
             events: None,

@@ -180,6 +180,8 @@ pub struct Scope {
     pub query_id: String,
     /// The run's deadline: nothing under it outlives it.
     pub deadline: tokio::time::Instant,
+    /// The query's audit record, when it is kept (shared by delegated runs).
+    pub audit: Option<std::sync::Arc<crate::audit::Audit>>,
 }
 
 /// One step of a run: its scope and its 1-based turn.

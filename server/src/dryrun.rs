@@ -32,6 +32,8 @@ pub async fn test_hooks(
         session_id: String::new(),
         query_id: uuid::Uuid::new_v4().to_string(),
         deadline: Instant::now() + budget,
+        // A dry run reports each hook's output itself.
+        audit: None,
     };
     let mut response = pb::TestHooksResponse::default();
     match req.value {

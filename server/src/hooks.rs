@@ -256,6 +256,8 @@ const OUTCOMES: &[&str] =
 pub struct HookChain {
     agent: String,
     hooks: Vec<Hook>,
+    /// See [`crate::audit::chain_version`].
+    version: String,
     /// The largest request or reply of a hook call.
     max_message_bytes: usize,
     metrics: Arc<Metrics>,
@@ -286,6 +288,7 @@ impl HookChain {
     /// The chain over peers, one per enabled hook, in order (tests pass
     /// in-process peers here). Each hook's ready addresses are a gauge.
     pub fn over(agent: &str, hooks: Vec<(HookDef, Peer)>, max_message_bytes: usize, metrics: Arc<Metrics>) -> Self {
+        let version = crate::audit::chain_version(&hooks.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>());
         let hooks = hooks
             .into_iter()
             .map(|(d, peer)| {
@@ -311,7 +314,50 @@ impl HookChain {
                 }
             })
             .collect();
-        Self { agent: agent.to_owned(), hooks, max_message_bytes, metrics }
+        Self { agent: agent.to_owned(), hooks, version, max_message_bytes, metrics }
+    }
+
+    /// The version of this chain's configuration (see
+    /// [`crate::audit::chain_version`]).
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Adds one call to the query's audit record, if it keeps one.
+    #[allow(clippy::too_many_arguments)]
+    fn audit(
+        &self,
+        step: Step<'_>,
+        hook: &Hook,
+        event: HookEvent,
+        subject: &HookSubject,
+        position: u32,
+        before: String,
+        after: Result<Option<String>, &ChainError>,
+    ) {
+        let Some(audit) = &step.scope.audit else { return };
+        let (outcome, after) = match after {
+            Ok(after) => ("ok", Some(after.unwrap_or_else(|| before.clone()))),
+            Err(ChainError::Hook(e)) => (e.failure.kind(), None),
+            Err(ChainError::QueryDeadline) => ("query_deadline", None),
+        };
+        audit.record(crate::audit::AuditEntry {
+            agent: step.scope.agent.clone(),
+            hook: hook.name.clone(),
+            event: match event {
+                HookEvent::ToolResult => "tool_result",
+                HookEvent::ModelRequest => "model_request",
+            },
+            subject: match subject {
+                HookSubject::ToolUse(id) => id.clone(),
+                HookSubject::Turn(t) => format!("turn {t}"),
+            },
+            position,
+            outcome,
+            changed: after.as_ref().is_some_and(|a| *a != before),
+            sha256_before: before,
+            sha256_after: after,
+        });
     }
 
     /// Each hook's name, how many of its addresses are ready now, and
@@ -376,7 +422,9 @@ impl HookChain {
         mut observe: Option<&mut Observer<'_, ToolResult>>,
     ) -> Result<ToolResult, ChainError> {
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
-        for hook in self.hooks.iter().filter(|h| h.events.tool_result) {
+        let audited = step.scope.audit.is_some();
+        let mut digest = audited.then(|| crate::audit::tool_result_digest(&result));
+        for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
             let request = pb::OnToolResultRequest {
                 context: Some(self.context(step)),
                 tool_name: call.tool_name.to_owned(),
@@ -403,12 +451,23 @@ impl HookChain {
                     if let Some(r) = replacement {
                         result = r;
                     }
+                    if let Some(before) = digest.take() {
+                        let after = replaced.then(|| crate::audit::tool_result_digest(&result));
+                        let kept = after.clone().unwrap_or_else(|| before.clone());
+                        let (event, position) = (HookEvent::ToolResult, position as u32 + 1);
+                        self.audit(step, hook, event, &subject(), position, before, Ok(after));
+                        digest = Some(kept);
+                    }
                     if let Some(observe) = observe.as_mut() {
                         let outcome = Ok(&result);
                         observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
                     }
                 }
                 Err(e) => {
+                    if let Some(before) = digest.take() {
+                        let position = position as u32 + 1;
+                        self.audit(step, hook, HookEvent::ToolResult, &subject(), position, before, Err(&e));
+                    }
                     observe_failure(observe.as_mut(), &hook.name, started, &e);
                     return Err(e);
                 }
@@ -452,7 +511,9 @@ impl HookChain {
             messages.drain(..omitted);
         }
         let mut first = Some(messages);
-        for hook in self.hooks.iter().filter(|h| h.events.model_request) {
+        let mut digest = step.scope.audit.is_some().then(|| crate::audit::model_request_digest(&request));
+        for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
+            let position = position as u32 + 1;
             let pb_request = pb::OnModelRequestRequest {
                 context: Some(self.context(step)),
                 system: request.system.clone(),
@@ -466,11 +527,14 @@ impl HookChain {
             let send = |req| async move { client.on_model_request(req).await };
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
-            let answer =
-                self.call(hook, step, HookEvent::ModelRequest, subject, pb_request, send, accept_model_request).await;
+            let event = HookEvent::ModelRequest;
+            let answer = self.call(hook, step, event, subject.clone(), pb_request, send, accept_model_request).await;
             let (replacement, system) = match answer {
                 Ok(answer) => answer,
                 Err(e) => {
+                    if let Some(before) = digest.take() {
+                        self.audit(step, hook, HookEvent::ModelRequest, &subject, position, before, Err(&e));
+                    }
                     observe_failure(observe.as_mut(), &hook.name, started, &e);
                     return Err(e);
                 }
@@ -484,6 +548,12 @@ impl HookChain {
             }
             if let Some(system) = system {
                 request.system = system;
+            }
+            if let Some(before) = digest.take() {
+                let after = replaced.then(|| crate::audit::model_request_digest(&request));
+                let kept = after.clone().unwrap_or_else(|| before.clone());
+                self.audit(step, hook, HookEvent::ModelRequest, &subject, position, before, Ok(after));
+                digest = Some(kept);
             }
             if let Some(observe) = observe.as_mut() {
                 let outcome = Ok(&request);

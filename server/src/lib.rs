@@ -23,6 +23,7 @@
 //! resolves; `main.rs` and the tests both call it.
 
 pub mod agent;
+pub mod audit;
 pub mod auth;
 pub mod client;
 pub mod config;

@@ -166,6 +166,9 @@ impl AgentSvc {
             session_id: session_id.clone(),
             query_id: query_id.clone(),
             deadline,
+            // Kept when it has somewhere to go (see `audit`).
+            audit: (runtime.settings.trace_dir.is_some() || crate::telemetry::enabled())
+                .then(|| Arc::new(crate::audit::Audit::default())),
         };
         let ctx = RunCtx {
             scope: scope.clone(),
@@ -241,6 +244,7 @@ impl AgentSvc {
                         elapsed_ms,
                         "query succeeded"
                     );
+                    audit(&runtime, &scope, agent.hooks.version(), code).await;
                     let _ = out_tx.send(Out::Event(result)).await;
                 }
                 Err(e) => {
@@ -250,6 +254,7 @@ impl AgentSvc {
                         .emit(&scope, TraceEvent::Error { code: status::code_name(st.code()), message: st.message() })
                         .await;
                     warn!(code = status::code_name(st.code()), error = %e, elapsed_ms, "query failed");
+                    audit(&runtime, &scope, agent.hooks.version(), code).await;
                     let _ = out_tx.send(Out::Fail(st)).await;
                 }
             }
@@ -279,6 +284,18 @@ fn parse_grpc_timeout(v: &str) -> Option<Duration> {
         "n" => Duration::from_nanos(n),
         _ => return None,
     })
+}
+
+/// Writes a query's audit record, if it kept one, before the client hears
+/// how it ended: to the trace file, and as one log line (an OpenTelemetry
+/// event of the query's span).
+async fn audit(runtime: &Runtime, scope: &Scope, chain_version: &str, code: tonic::Code) {
+    let Some(audit) = &scope.audit else { return };
+    let hooks = audit.entries();
+    let outcome = status::code_name(code);
+    runtime.tracer().emit(scope, TraceEvent::Audit { chain_version, outcome, hooks: &hooks }).await;
+    let record = serde_json::to_string(&hooks).unwrap_or_default();
+    info!(target: "lattice::audit", chain_version, outcome, hook_calls = hooks.len(), hooks = %record, "query audit");
 }
 
 /// Session ids are made here (see [`crate::session::new_id`]; older ones

@@ -67,6 +67,16 @@ pub enum TraceEvent<'a> {
         /// Tokens over all turns.
         usage: Usage,
     },
+    /// The query's audit record (see [`crate::audit`]), after its
+    /// `result` or `error`.
+    Audit {
+        /// The queried agent's chain version.
+        chain_version: &'a str,
+        /// The query's status code's name.
+        outcome: &'a str,
+        /// Every hook call, in the order they ended.
+        hooks: &'a [crate::audit::AuditEntry],
+    },
     /// The query failed.
     Error {
         /// The status code's name.
@@ -84,6 +94,7 @@ impl TraceEvent<'_> {
             TraceEvent::ToolUse { .. } => "tool_use",
             TraceEvent::ToolResult { .. } => "tool_result",
             TraceEvent::Result { .. } => "result",
+            TraceEvent::Audit { .. } => "audit",
             TraceEvent::Error { .. } => "error",
         }
     }

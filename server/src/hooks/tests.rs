@@ -106,7 +106,7 @@ async fn fold(chain: &HookChain, deadline: Instant) -> (Result<ToolResult, Chain
         error: None,
         source: ResultSource::ToolService("in-process".into()),
     };
-    let scope = Scope { agent: "agent".into(), session_id: "s".into(), query_id: "q".into(), deadline };
+    let scope = Scope { agent: "agent".into(), session_id: "s".into(), query_id: "q".into(), deadline, audit: None };
     let started = Instant::now();
     let out =
         chain.on_tool_result(Step { scope: &scope, turn: 1 }, &view, ToolResult::text("toolu_1", "x", false)).await;
