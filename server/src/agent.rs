@@ -261,6 +261,9 @@ pub enum SetupError {
     /// A model.
     #[error(transparent)]
     Model(#[from] ModelSetupError),
+    /// The trace directory.
+    #[error("{0}")]
+    Trace(String),
     /// A hook endpoint.
     #[error("agent {agent:?}: hook {hook:?}: {reason}")]
     Hook {
@@ -295,6 +298,20 @@ impl Runtime {
         let mut agents = HashMap::new();
         let mut order = Vec::new();
         let metrics = Arc::new(Metrics::default());
+        let s = &config.server;
+        let tracer = match &s.trace_dir {
+            Some(dir) => Tracer::start(crate::trace::TraceSettings {
+                dir: dir.clone(),
+                queue_events: s.trace_queue_events,
+                max_file_bytes: s.trace_max_file_bytes,
+                max_age: s.trace_max_age,
+            })
+            .map_err(SetupError::Trace)?,
+            None => Tracer::off(),
+        };
+        if let Some(dropped) = tracer.dropped() {
+            metrics.gauge(crate::metrics::Family::TraceEventsDropped, vec![], dropped);
+        }
         for def in &config.agents {
             let server = &config.server;
             let hooks = HookChain::new(
@@ -339,13 +356,7 @@ impl Runtime {
             order.push(def.name.clone());
             agents.insert(def.name.clone(), runtime);
         }
-        Ok(Self {
-            agents,
-            order,
-            settings: config.server.clone(),
-            tracer: Tracer::new(config.server.trace_dir.clone()),
-            metrics,
-        })
+        Ok(Self { agents, order, settings: config.server.clone(), tracer, metrics })
     }
 
     /// Whether every agent is ready: its tools discovered, and each of its

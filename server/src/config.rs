@@ -138,6 +138,9 @@ struct RawServer {
     peer_health_check_ms: Option<u64>,
     worker_threads: Option<usize>,
     trace_dir: Option<PathBuf>,
+    trace_queue_events: Option<usize>,
+    trace_max_file_bytes: Option<u64>,
+    trace_max_age_s: Option<u64>,
     auth: Option<Spanned<RawAuth>>,
     #[serde(default)]
     limits: RawLimits,
@@ -467,6 +470,12 @@ pub struct ServerSettings {
     pub tool_discovery_timeout: Duration,
     /// When set, a JSONL trace file per session is written here.
     pub trace_dir: Option<PathBuf>,
+    /// Trace events waiting to be written at most (more are dropped).
+    pub trace_queue_events: usize,
+    /// A session's trace file is rotated before it passes this size.
+    pub trace_max_file_bytes: u64,
+    /// Trace files untouched this long are removed.
+    pub trace_max_age: Duration,
     /// After SIGTERM, keep accepting queries (health NOT_SERVING) this long
     /// before stopping, so that clients still routed here are served.
     pub drain: Duration,
@@ -1141,6 +1150,9 @@ impl Validator<'_> {
             (s.hook_deadline_ceiling_ms, "server.hook_deadline_ceiling_ms"),
             (s.query_deadline_ms, "server.query_deadline_ms"),
             (s.tool_discovery_timeout_ms, "server.tool_discovery_timeout_ms"),
+            (s.trace_queue_events.map(|v| v as u64), "server.trace_queue_events"),
+            (s.trace_max_file_bytes, "server.trace_max_file_bytes"),
+            (s.trace_max_age_s, "server.trace_max_age_s"),
             (s.limits.queries_in_flight.map(|v| v as u64), "server.limits.queries_in_flight"),
             (s.limits.queries_per_minute.map(u64::from), "server.limits.queries_per_minute"),
         ] {
@@ -1168,6 +1180,9 @@ impl Validator<'_> {
             max_delegation_depth: s.max_delegation_depth.unwrap_or(defaults::MAX_DELEGATION_DEPTH),
             tool_discovery_timeout: ms(s.tool_discovery_timeout_ms.unwrap_or(defaults::TOOL_DISCOVERY_TIMEOUT_MS)),
             trace_dir: s.trace_dir,
+            trace_queue_events: s.trace_queue_events.unwrap_or(4096).max(1),
+            trace_max_file_bytes: s.trace_max_file_bytes.unwrap_or(64 << 20).max(1),
+            trace_max_age: Duration::from_secs(s.trace_max_age_s.unwrap_or(7 * 24 * 3600)),
             drain: ms(s.drain_ms.unwrap_or(0)),
             peer_health_check: Some(s.peer_health_check_ms.unwrap_or(defaults::PEER_HEALTH_CHECK_MS))
                 .filter(|v| *v > 0)

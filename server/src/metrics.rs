@@ -42,6 +42,8 @@ pub enum Family {
     ModelRequestDuration,
     /// Ready addresses of each hook, by agent and hook.
     HookReadyAddresses,
+    /// Trace events dropped because the trace writer's queue was full.
+    TraceEventsDropped,
 }
 
 impl Family {
@@ -55,6 +57,7 @@ impl Family {
             Family::ModelRequests => "lattice_model_requests_total",
             Family::ModelRequestDuration => "lattice_model_request_duration_seconds",
             Family::HookReadyAddresses => "lattice_hook_ready_addresses",
+            Family::TraceEventsDropped => "lattice_trace_events_dropped_total",
         }
     }
 
@@ -73,6 +76,9 @@ impl Family {
             Family::ModelRequestDuration => "Model request duration, retries included.",
             Family::HookReadyAddresses => {
                 "Addresses of each hook that can take calls now (resolved, connecting, not draining)."
+            }
+            Family::TraceEventsDropped => {
+                "Trace events not written: the trace writer's queue was full (a stalled disk)."
             }
         }
     }
@@ -213,7 +219,9 @@ impl Metrics {
         let mut last = None;
         for ((family, labels), value) in &r.gauges {
             if last != Some(*family) {
-                header(&mut out, *family, "gauge");
+                // A value owned elsewhere: a counter when it only grows.
+                let kind = if *family == Family::TraceEventsDropped { "counter" } else { "gauge" };
+                header(&mut out, *family, kind);
                 last = Some(*family);
             }
             let _ = writeln!(out, "{}{} {}", family.name(), label_text(labels, None), value.load(Ordering::Relaxed));

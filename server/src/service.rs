@@ -245,6 +245,7 @@ impl AgentSvc {
                         "query succeeded"
                     );
                     audit(&runtime, &scope, agent.hooks.version(), code).await;
+                    runtime.tracer().flush().await;
                     let _ = out_tx.send(Out::Event(result)).await;
                 }
                 Err(e) => {
@@ -255,6 +256,7 @@ impl AgentSvc {
                         .await;
                     warn!(code = status::code_name(st.code()), error = %e, elapsed_ms, "query failed");
                     audit(&runtime, &scope, agent.hooks.version(), code).await;
+                    runtime.tracer().flush().await;
                     let _ = out_tx.send(Out::Fail(st)).await;
                 }
             }
@@ -475,6 +477,7 @@ impl AgentService for AgentSvc {
         }
         self.store.delete_as(&id, self.owner(&principal)).await.map_err(|e: StoreError| status::store_error(&e))?;
         self.runtime.tracer().delete(&id).await;
+        self.runtime.tracer().flush().await;
         info!(session_id = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))
     }

@@ -5,11 +5,29 @@
 //! to a JSONL file per session. Events are only ever built from post-hook
 //! values; a query that fails records an `error` event whose text is the
 //! error's (which never carries content).
+//!
+//! The files are written by a thread of their own, off the query path:
+//! events wait in a bounded queue (`server.trace_queue_events`), and when it
+//! is full — a stalled or full disk — they are dropped and counted
+//! (`lattice_trace_events_dropped_total`), never waited for. A query's end
+//! waits for its lines to be written (so that a client that saw the result
+//! finds them), at most [`FLUSH_WAIT`], and not at all while the writer is
+//! stalled. A session's file is rotated to `SESSION.jsonl.1` when it would
+//! pass `server.trace_max_file_bytes`, deleted with its session, and files
+//! untouched for `server.trace_max_age_s` are removed.
 
-use std::path::PathBuf;
+use std::{
+    io::Write as _,
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        mpsc,
+    },
+    time::{Duration, SystemTime},
+};
 
 use serde::Serialize;
-use tokio::io::AsyncWriteExt;
 use tracing::{debug, trace, warn};
 
 use crate::domain::{Block, ModelRequest, Scope, StopReason, ToolResult, Usage};
@@ -110,33 +128,112 @@ struct Line<'a> {
     event: &'a TraceEvent<'a>,
 }
 
+/// How long a query's end waits for its trace lines to be written.
+pub const FLUSH_WAIT: Duration = Duration::from_millis(100);
+
+/// How often files past their age are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(600);
+
+/// Where and how trace files are written (`server.trace_*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceSettings {
+    /// The directory (`server.trace_dir`).
+    pub dir: PathBuf,
+    /// Events waiting to be written at most; more are dropped.
+    pub queue_events: usize,
+    /// A session file is rotated before it passes this size.
+    pub max_file_bytes: u64,
+    /// Files untouched this long are removed.
+    pub max_age: Duration,
+}
+
+enum Op {
+    Line { session: String, line: String },
+    Delete(String),
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
+#[derive(Debug)]
+struct Writer {
+    tx: mpsc::SyncSender<Op>,
+    dropped: Arc<AtomicUsize>,
+    /// Set when a flush was not answered in time; cleared when the writer
+    /// finishes something.
+    stalled: Arc<AtomicBool>,
+}
+
 /// The trace sink.
 #[derive(Debug, Clone, Default)]
 pub struct Tracer {
-    dir: Option<PathBuf>,
+    writer: Option<Arc<Writer>>,
 }
 
 impl Tracer {
-    /// A tracer writing JSONL files into `dir`, when set.
-    pub fn new(dir: Option<PathBuf>) -> Self {
-        Self { dir }
+    /// A tracer that writes nothing to disk (events still go to `tracing`).
+    pub fn off() -> Self {
+        Self::default()
     }
 
-    /// Deletes a session's trace file, if this replica wrote one.
+    /// A tracer writing JSONL files into `settings.dir`, which must be
+    /// writable (checked now: a read-only root filesystem is Kubernetes'
+    /// default). Starts the writer thread.
+    pub fn start(settings: TraceSettings) -> Result<Self, String> {
+        let dir = &settings.dir;
+        let check = || -> std::io::Result<()> {
+            std::fs::create_dir_all(dir)?;
+            let probe = dir.join(".lattice-write-check");
+            std::fs::write(&probe, b"")?;
+            std::fs::remove_file(&probe)
+        };
+        check().map_err(|e| {
+            format!(
+                "server.trace_dir {}: not writable: {e} (a read-only root filesystem? mount a volume there)",
+                dir.display()
+            )
+        })?;
+        let (tx, rx) = mpsc::sync_channel(settings.queue_events.max(1));
+        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default() });
+        let stalled = writer.stalled.clone();
+        std::thread::Builder::new()
+            .name("lattice-trace".into())
+            .spawn(move || write_loop(settings, rx, stalled))
+            .map_err(|e| format!("cannot start the trace writer: {e}"))?;
+        Ok(Self { writer: Some(writer) })
+    }
+
+    /// Events dropped because the queue was full, shared, for a metric.
+    pub fn dropped(&self) -> Option<Arc<AtomicUsize>> {
+        self.writer.as_ref().map(|w| w.dropped.clone())
+    }
+
+    /// Deletes a session's trace files, if this replica wrote any.
     pub async fn delete(&self, session_id: &str) {
-        let Some(dir) = &self.dir else { return };
-        let path = dir.join(format!("{session_id}.jsonl"));
-        match tokio::fs::remove_file(&path).await {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => warn!(path = %path.display(), error = %e, "cannot delete trace file"),
+        if let Some(w) = &self.writer {
+            w.send(Op::Delete(session_id.to_owned()));
+        }
+    }
+
+    /// Waits until every line queued so far is written: at most
+    /// [`FLUSH_WAIT`], and not at all while the writer is stalled.
+    pub async fn flush(&self) {
+        let Some(w) = &self.writer else { return };
+        if w.stalled.load(Ordering::Relaxed) {
+            return;
+        }
+        let (done, written) = tokio::sync::oneshot::channel();
+        if !w.send(Op::Flush(done)) {
+            return;
+        }
+        if tokio::time::timeout(FLUSH_WAIT, written).await.is_err() {
+            w.stalled.store(true, Ordering::Relaxed);
+            warn!("trace writer stalled: trace events are dropped until it catches up");
         }
     }
 
     /// Records one event. With no trace directory and the `lattice::trace`
     /// log target off (the default), nothing is built at all.
     pub async fn emit(&self, scope: &Scope, event: TraceEvent<'_>) {
-        if self.dir.is_none() && !tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG) {
+        if self.writer.is_none() && !tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG) {
             return;
         }
         let ts_ms =
@@ -157,21 +254,90 @@ impl Tracer {
         };
         debug!(target: "lattice::trace", agent = %scope.agent, session_id = %scope.session_id, query_id = %scope.query_id, event = event.kind(), bytes = json.len(), "trace");
         trace!(target: "lattice::trace", payload = %json, "trace payload");
-        let Some(dir) = &self.dir else { return };
-        // Session ids are UUIDs or client-chosen ids validated by the service;
-        // file names are built from them only.
-        let path = dir.join(format!("{}.jsonl", scope.session_id));
-        let write = async {
-            tokio::fs::create_dir_all(dir).await?;
-            let mut f = tokio::fs::OpenOptions::new().create(true).append(true).open(&path).await?;
-            f.write_all(format!("{json}\n").as_bytes()).await?;
-            // tokio's File writes on a blocking thread; without the flush the
-            // line may land after the client has seen the query end (or,
-            // with the next event's write, out of order).
-            f.flush().await
-        };
-        if let Err(e) = write.await {
-            warn!(path = %path.display(), error = %e, "cannot write trace file");
+        if let Some(w) = &self.writer {
+            w.send(Op::Line { session: scope.session_id.clone(), line: json });
+        }
+    }
+}
+
+impl Writer {
+    /// Queues `op` unless the queue is full (then a line is counted as
+    /// dropped). Whether it was queued.
+    fn send(&self, op: Op) -> bool {
+        let line = matches!(op, Op::Line { .. });
+        match self.tx.try_send(op) {
+            Ok(()) => true,
+            Err(_) => {
+                if line {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                false
+            }
+        }
+    }
+}
+
+/// The writer thread: one op at a time, in order; ends when every sender
+/// is gone.
+fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, stalled: Arc<AtomicBool>) {
+    let mut swept = SystemTime::now();
+    while let Ok(op) = rx.recv() {
+        match op {
+            Op::Line { session, line } => {
+                // Session ids are made by the service or validated by it
+                // (letters, digits, '-'); file names are built from them only.
+                let path = settings.dir.join(format!("{session}.jsonl"));
+                if let Err(e) = append(&path, &line, settings.max_file_bytes) {
+                    warn!(path = %path.display(), error = %e, "cannot write trace file");
+                }
+            }
+            Op::Delete(session) => {
+                for name in [format!("{session}.jsonl"), format!("{session}.jsonl.1")] {
+                    let path = settings.dir.join(name);
+                    match std::fs::remove_file(&path) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => warn!(path = %path.display(), error = %e, "cannot delete trace file"),
+                    }
+                }
+            }
+            Op::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+        stalled.store(false, Ordering::Relaxed);
+        if swept.elapsed().is_ok_and(|e| e >= SWEEP_EVERY) {
+            sweep(&settings.dir, settings.max_age);
+            swept = SystemTime::now();
+        }
+    }
+}
+
+/// Appends one line, rotating the file first if it would pass `max`.
+fn append(path: &Path, line: &str, max: u64) -> std::io::Result<()> {
+    let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    if size > 0 && size + line.len() as u64 + 1 > max {
+        let mut rotated = path.as_os_str().to_owned();
+        rotated.push(".1");
+        std::fs::rename(path, rotated)?;
+    }
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    let mut bytes = Vec::with_capacity(line.len() + 1);
+    bytes.extend_from_slice(line.as_bytes());
+    bytes.push(b'\n');
+    f.write_all(&bytes)
+}
+
+/// Removes trace files untouched for `max_age`.
+fn sweep(dir: &Path, max_age: Duration) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let is_trace = name.to_str().is_some_and(|n| n.ends_with(".jsonl") || n.ends_with(".jsonl.1"));
+        let old =
+            e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|a| a > max_age);
+        if is_trace && old {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }
