@@ -81,12 +81,15 @@ struct Args {
     /// The JSONL file to append to.
     #[arg(long, default_value = "audit.jsonl")]
     file: PathBuf,
+    /// Log lines: text or json.
+    #[arg(long, default_value = "text")]
+    log_format: lattice_hook_sdk::LogFormat,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     let args = Args::parse();
+    lattice_hook_sdk::init_logs(args.log_format);
     let audit = Audit::open(&args.file).await?;
     lattice_hook_sdk::serve(audit, args.listen).await?;
     Ok(())

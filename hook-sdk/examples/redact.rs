@@ -125,12 +125,15 @@ struct Args {
     /// Require client certificates signed by this CA (PEM): mutual TLS.
     #[arg(long, requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// Log lines: text or json.
+    #[arg(long, default_value = "text")]
+    log_format: lattice_hook_sdk::LogFormat,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     let args = Args::parse();
+    lattice_hook_sdk::init_logs(args.log_format);
     let read = |path: &PathBuf| std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()));
     match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {

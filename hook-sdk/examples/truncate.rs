@@ -59,12 +59,15 @@ struct Args {
     /// Messages kept at the end (besides the first user message).
     #[arg(long, default_value_t = 6)]
     keep_last: usize,
+    /// Log lines: text or json.
+    #[arg(long, default_value = "text")]
+    log_format: lattice_hook_sdk::LogFormat,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), lattice_hook_sdk::ServeError> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
     let args = Args::parse();
+    lattice_hook_sdk::init_logs(args.log_format);
     lattice_hook_sdk::serve(Truncate { keep_last: args.keep_last.max(1) }, args.listen).await
 }
 

@@ -207,6 +207,43 @@ mod otel {
     }
 }
 
+/// How [`init_logs`] writes log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line (fields as plain values; each line inside
+    /// a call carries its `hook_call` span, with the query's `trace_id`).
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("{other:?} is not a log format: text or json")),
+        }
+    }
+}
+
+/// Logs to stderr in `format`, levels from `RUST_LOG` (default `info`),
+/// as `--log-format text|json` in the examples. Does nothing if a global
+/// subscriber is already set.
+#[cfg(feature = "logs")]
+pub fn init_logs(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
 /// A message of `role` with one text block.
 pub fn text_message(role: Role, text: impl Into<String>) -> Message {
     Message {

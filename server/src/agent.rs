@@ -339,7 +339,7 @@ impl Runtime {
             };
             let chain: Vec<String> =
                 def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
-            info!(agent = %def.name, model = %def.model.label(), hooks = ?chain, "agent set up");
+            info!(agent = %def.name, model = %def.model.label(), hooks = %chain.join(", "), "agent set up");
             let runtime = Arc::new(AgentRuntime {
                 def: def.clone(),
                 model: model::build(&def.model)?,

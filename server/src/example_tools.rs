@@ -116,7 +116,8 @@ pub async fn serve(
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<ToolServiceServer<CustomerTools>>().await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
-    info!(addr = ?listener.local_addr().ok(), "example tools serving");
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    info!(%addr, "example tools serving");
     let drained = async move {
         shutdown.await;
         health.set_not_serving::<ToolServiceServer<CustomerTools>>().await;

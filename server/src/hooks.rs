@@ -237,6 +237,8 @@ pub struct ToolCallView<'a> {
 #[derive(Debug, Clone)]
 struct Hook {
     name: String,
+    /// Its endpoint, as configured (for logs).
+    endpoint: String,
     events: HookEvents,
     deadline: Duration,
     client: pb::hook_service_client::HookServiceClient<Peer>,
@@ -306,6 +308,7 @@ impl HookChain {
                         .max_decoding_message_size(max_message_bytes)
                         .max_encoding_message_size(max_message_bytes),
                     name: d.name,
+                    endpoint: d.endpoint,
                     events: d.events,
                     deadline: d.deadline,
                     required: d.required,
@@ -615,6 +618,7 @@ impl HookChain {
         );
         let budget = call_deadline.saturating_duration_since(started);
         let bytes = message.encoded_len();
+        let mut cause: Option<String> = None;
         let failure = if bytes > self.max_message_bytes {
             HookFailure::RequestTooLarge { bytes, limit: self.max_message_bytes }
         } else if budget.is_zero() {
@@ -636,7 +640,12 @@ impl HookChain {
                 // that enforces grpc-timeout may reset the stream at the same
                 // instant) ends it by the deadline.
                 Ok(Err(_)) if Instant::now() >= call_deadline => HookFailure::Deadline,
-                Ok(Err(status)) => classify(&status, probe.sent(), call_deadline),
+                Ok(Err(status)) => {
+                    // A transport failure's cause, from error types alone
+                    // (a status the hook sent has no source).
+                    cause = std::error::Error::source(&status).map(crate::peer::transport_cause);
+                    classify(&status, probe.sent(), call_deadline)
+                }
                 Ok(Ok(reply)) => match accept(reply.into_inner()) {
                     Ok(value) => {
                         let elapsed_ms = started.elapsed().as_millis() as u64;
@@ -656,16 +665,17 @@ impl HookChain {
             debug!(parent: &span, elapsed_ms, "the query's deadline passed during the hook call");
             return Err(ChainError::QueryDeadline);
         }
-        let (agent, name) = (&self.agent, &hook.name);
+        let (agent, name, endpoint) = (&self.agent, &hook.name, &hook.endpoint);
+        let cause = cause.unwrap_or_default();
         match &failure {
             HookFailure::RequestTooLarge { bytes, limit } => {
-                warn!(parent: &span, %agent, hook = %name, %event, %subject, kind = failure.kind(), bytes, limit, "hook not called: the request is too large");
+                warn!(parent: &span, %agent, hook = %name, %endpoint, %event, %subject, kind = failure.kind(), bytes, limit, "hook not called: the request is too large");
             }
             HookFailure::Status(code) => {
-                warn!(parent: &span, %agent, hook = %name, %event, %subject, kind = failure.kind(), code = code_name(*code), elapsed_ms, "hook failed");
+                warn!(parent: &span, %agent, hook = %name, %endpoint, %event, %subject, kind = failure.kind(), code = code_name(*code), %cause, elapsed_ms, "hook failed");
             }
             _ => {
-                warn!(parent: &span, %agent, hook = %name, %event, %subject, kind = failure.kind(), elapsed_ms, "hook failed")
+                warn!(parent: &span, %agent, hook = %name, %endpoint, %event, %subject, kind = failure.kind(), %cause, elapsed_ms, "hook failed")
             }
         }
         Err(self.error(hook, event, subject, failure).into())

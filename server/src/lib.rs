@@ -174,7 +174,8 @@ pub async fn run(
         _ => "multi_thread",
     };
     let tls_on = config.server.tls.is_some();
-    info!(addr = ?addr, agents = config.agents.len(), worker_threads, runtime, tls = tls_on, "serving");
+    let addr = shown(addr);
+    info!(%addr, agents = config.agents.len(), worker_threads, runtime, tls = tls_on, "serving");
     let drain = config.server.drain;
     let shutdown = async move {
         shutdown.await;
@@ -191,12 +192,12 @@ pub async fn run(
     grpc.add_service(health_svc.clone()).add_service(reflection_v1).add_service(reflection_v1alpha).add_service(agents);
     // The API port serves gRPC only; /metrics is on the admin port.
     if let Some(admin) = admin {
-        info!(addr = ?admin.local_addr().ok(), "admin port: /metrics");
+        info!(addr = %shown(admin.local_addr().ok()), "admin port: /metrics");
         tokio::spawn(metrics::serve_admin(admin, metrics));
     }
     let stopped = tokio_util::sync::CancellationToken::new();
     if let Some(port) = health_port {
-        info!(addr = ?port.local_addr().ok(), "health port: grpc.health.v1 only, plaintext");
+        info!(addr = %shown(port.local_addr().ok()), "health port: grpc.health.v1 only, plaintext");
         let until = stopped.clone().cancelled_owned();
         let server = tonic::transport::Server::builder().add_service(health_svc.clone());
         tokio::spawn(server.serve_with_incoming_shutdown(incoming(port), until));
@@ -211,6 +212,11 @@ pub async fn run(
     served?;
     info!("stopped");
     Ok(())
+}
+
+/// An address for a log field: `host:port`, or "" when unknown.
+fn shown(addr: Option<std::net::SocketAddr>) -> String {
+    addr.map(|a| a.to_string()).unwrap_or_default()
 }
 
 /// Accepted connections with TCP_NODELAY. Serving from our own listener

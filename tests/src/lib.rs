@@ -739,6 +739,15 @@ pub async fn start_example(name: &str, args: &[&str]) -> (String, Child) {
 
 /// [`start_example`] with extra environment variables.
 pub async fn start_example_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> (String, Child) {
+    example(name, args, env, std::process::Stdio::null()).await
+}
+
+/// [`start_example`], its log lines (stderr) written to `log`.
+pub async fn start_example_logging(name: &str, args: &[&str], log: &Path) -> (String, Child) {
+    example(name, args, &[], std::fs::File::create(log).expect("the example's log file").into()).await
+}
+
+async fn example(name: &str, args: &[&str], env: &[(&str, &str)], stderr: std::process::Stdio) -> (String, Child) {
     let (l, addr) = bind().await;
     drop(l);
     let child = tokio::process::Command::new(workspace_binary(&format!("examples/{name}")))
@@ -747,7 +756,7 @@ pub async fn start_example_env(name: &str, args: &[&str], env: &[(&str, &str)]) 
         .args(args)
         .envs(env.iter().copied())
         .kill_on_drop(true)
-        .stderr(std::process::Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"));
     wait_for_port(addr, name).await;

@@ -39,3 +39,37 @@ async fn peer_bytes_never_reach_the_log_at_any_level() {
     let log = log_of_a_goaway_run(&secret, &[("RUST_LOG", "trace"), ("LATTICE_LOG_TRANSPORT", "1")]).await;
     assert!(log.contains(&secret), "with LATTICE_LOG_TRANSPORT=1 the transport's frame logs are written");
 }
+
+/// JSON log fields are plain values: no `Some(…)`, no Debug-quoted lists.
+/// A hook that can't be reached is logged with its endpoint and the local
+/// cause of the failure.
+#[tokio::test(flavor = "multi_thread")]
+async fn json_log_fields_are_plain_and_a_hook_failure_says_where_and_why() {
+    let dead = lattice_tests::dead_url().await;
+    let tools = lattice_tests::tool::ToolServer::start(vec![lattice_tests::tool::ToolDef::new("t", "v")]).await;
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::optional_hook("gone", &dead, &["tool_result"], 500);
+    let lattice = Lattice::spawn(&config, &[("RUST_LOG", "info")]).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.hook_failure()["kind"], "unavailable");
+    let log = lattice.process_logs();
+    let mut failed = None;
+    for line in log.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        for (key, value) in v["fields"].as_object().unwrap() {
+            if let Some(s) = value.as_str() {
+                assert!(!s.starts_with("Some(") && !s.starts_with("[\""), "{key} = {s} in {line}");
+            }
+        }
+        if v["fields"]["message"] == "hook failed" {
+            failed = Some(v);
+        }
+    }
+    let failed = failed.expect("a hook failure line");
+    assert_eq!(failed["fields"]["endpoint"], dead.as_str());
+    let cause = failed["fields"]["cause"].as_str().unwrap_or_default().to_lowercase();
+    assert!(cause.contains("refused") || cause.contains("connect"), "{failed}");
+}

@@ -169,3 +169,34 @@ async fn the_model_api_gets_the_trace_context() {
     let query = by_name(&spans, "query");
     assert_eq!(query[0].parent_span_id, "", "without a client traceparent the query is a root");
 }
+
+/// The Rust example hook, `--log-format json`: its lines are JSON, and the
+/// one it logs inside a call carries the query's trace id (the SDK's
+/// `hook_call` span) — the same trace as Lattice's `hook` span.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_sdk_hooks_json_logs_carry_the_query_trace() {
+    let collector = Collector::start().await;
+    let log = temp_dir("sdk-json").join("redact.log");
+    let (url, _hook) = lattice_tests::start_example_logging("redact", &["--log-format", "json"], &log).await;
+    let tools = ToolServer::start(vec![ToolDef::new("t", "mail ada@example.com")]).await;
+    let config = format!("[telemetry]\notlp_endpoint = {:?}\n", collector.url)
+        + &cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("saw {{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("redact", &url, &["tool_result"], 2000);
+    let lattice = Lattice::spawn(&config, &[("OTEL_BSP_SCHEDULE_DELAY", "100")]).await;
+    assert_eq!(lattice.query("x", "go").await.ok().text, "saw mail [REDACTED:email]");
+    let hook_span = loop {
+        if let Some(s) = collector.spans().into_iter().find(|s| s.name == "hook") {
+            break s;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<serde_json::Value> =
+        text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let checked = lines.iter().find(|l| l["fields"]["message"] == "tool result checked").expect("the call's line");
+    assert_eq!(checked["span"]["trace_id"], hook_span.trace_id.as_str(), "{checked}");
+    assert_eq!(checked["span"]["parent_span_id"], hook_span.span_id.as_str(), "{checked}");
+}

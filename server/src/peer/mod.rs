@@ -230,6 +230,49 @@ pub fn check(endpoint: &str, tls: Option<&Tls>) -> Result<(), String> {
     Checked::new(endpoint, tls).map(|_| ())
 }
 
+/// What went wrong below gRPC, from the types in an error's source chain
+/// alone, for logs: "connection refused", "TLS: invalid peer certificate:
+/// UnknownIssuer", "GOAWAY PROTOCOL_ERROR from the peer". Never a message
+/// text that could carry a peer's bytes (an h2 GOAWAY's debug data is
+/// one); empty when no known type is in the chain.
+pub(crate) fn transport_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            parts.push(io.kind().to_string());
+        } else if let Some(h2) = err.downcast_ref::<h2::Error>() {
+            let what = if h2.is_go_away() {
+                "GOAWAY"
+            } else if h2.is_reset() {
+                "stream reset"
+            } else {
+                "HTTP/2 error"
+            };
+            let reason = h2.reason().map(|r| format!(" {r:?}")).unwrap_or_default();
+            let side = if h2.is_remote() { " from the peer" } else { "" };
+            parts.push(format!("{what}{reason}{side}"));
+            break;
+        } else if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+            parts.push(format!("TLS: {tls}"));
+            break;
+        } else if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            if h.is_timeout() {
+                parts.push("timed out".into());
+            } else if h.is_closed() || h.is_incomplete_message() {
+                parts.push("connection closed".into());
+            } else if h.is_canceled() {
+                parts.push("request canceled".into());
+            }
+        } else if err.downcast_ref::<tls::ConnectFailed>().is_some_and(|c| matches!(c, tls::ConnectFailed::NotHttp2)) {
+            parts.push("the service did not agree to HTTP/2 over TLS".into());
+        }
+        next = err.source();
+    }
+    parts.dedup();
+    parts.join(": ")
+}
+
 /// An error and its sources, "a: b: c" (local errors only: never a peer's bytes).
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();

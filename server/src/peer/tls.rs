@@ -42,6 +42,14 @@ pub struct TlsFiles {
     pub key: Option<PathBuf>,
 }
 
+impl std::fmt::Display for TlsFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let files: Vec<String> =
+            [&self.ca, &self.cert, &self.key].into_iter().flatten().map(|p| p.display().to_string()).collect();
+        f.write_str(&files.join(", "))
+    }
+}
+
 /// The PEM texts of one load.
 #[derive(Clone, PartialEq, Eq)]
 struct Pems {
@@ -132,10 +140,10 @@ async fn watch(tls: Weak<ClientTls>, files: TlsFiles, mut seen: Pems) {
                 if let Ok(mut current) = tls.current.write() {
                     *current = Arc::new(config);
                 }
-                info!(files = ?files, "peer tls: certificates reloaded; new connections use them");
+                info!(files = %files, "peer tls: certificates reloaded; new connections use them");
             }
             Err(e) => {
-                warn!(files = ?files, error = %e, "peer tls: certificates not reloaded; the previous ones stay in force")
+                warn!(files = %files, error = %e, "peer tls: certificates not reloaded; the previous ones stay in force")
             }
         }
         seen = pems;
