@@ -164,6 +164,8 @@ pub struct AgentMetrics {
     tool_calls: std::sync::OnceLock<HashMap<String, Arc<CallMetric>>>,
     /// Calls of tools the agent doesn't have (the model made them up).
     unknown_tool: Arc<CallMetric>,
+    /// Model tokens, by direction.
+    tokens: Arc<CallMetric>,
 }
 
 /// The codes a query metric counts itself (any other still counts).
@@ -212,6 +214,13 @@ impl AgentMetrics {
             ),
             tool_calls: std::sync::OnceLock::new(),
             unknown_tool: registry.call_metric(Family::ToolCalls, None, unknown, TOOL_OUTCOMES),
+            tokens: registry.call_metric_as(
+                Family::ModelTokens,
+                None,
+                vec![agent(), ("provider", def.model.provider().to_owned())],
+                "direction",
+                &["input", "output"],
+            ),
             registry,
         }
     }
@@ -533,6 +542,9 @@ impl Runtime {
             }
             Ok(reply) => {
                 record.finish("ok");
+                let metrics = &agent.metrics;
+                metrics.tokens.add_n(&metrics.registry, "input", reply.usage.input_tokens);
+                metrics.tokens.add_n(&metrics.registry, "output", reply.usage.output_tokens);
                 span.record("outcome", "ok")
                     .record("input_tokens", reply.usage.input_tokens)
                     .record("output_tokens", reply.usage.output_tokens);

@@ -19,9 +19,17 @@ use std::{
 
 use tokio::time::Instant;
 
-/// Histogram buckets, in seconds: from a loopback hook call to a long query.
-const BUCKETS: [f64; 16] =
-    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Histogram buckets, in seconds: from a loopback hook call (~0.1 ms) to a
+/// long query.
+const BUCKETS: [f64; 20] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0, 120.0,
+];
+
+/// The bucket a duration falls in (none past the last: counted in +Inf).
+fn bucket_of(secs: f64) -> Option<usize> {
+    BUCKETS.iter().position(|le| secs <= *le)
+}
 
 /// A metric family: name, help and type, for the exposition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -44,6 +52,8 @@ pub enum Family {
     HookReadyAddresses,
     /// Trace events dropped because the trace writer's queue was full.
     TraceEventsDropped,
+    /// Model tokens, by agent, provider and direction (input, output).
+    ModelTokens,
 }
 
 impl Family {
@@ -58,6 +68,7 @@ impl Family {
             Family::ModelRequestDuration => "lattice_model_request_duration_seconds",
             Family::HookReadyAddresses => "lattice_hook_ready_addresses",
             Family::TraceEventsDropped => "lattice_trace_events_dropped_total",
+            Family::ModelTokens => "lattice_model_tokens_total",
         }
     }
 
@@ -80,6 +91,7 @@ impl Family {
             Family::TraceEventsDropped => {
                 "Trace events not written: the trace writer's queue was full (a stalled disk)."
             }
+            Family::ModelTokens => "Model tokens by direction: input (the requests) and output (the replies).",
         }
     }
 }
@@ -172,10 +184,8 @@ impl Metrics {
         let secs = took.as_secs_f64();
         if let Ok(mut r) = self.registry.lock() {
             let h = r.histograms.entry((family, labels)).or_default();
-            for (bucket, le) in h.buckets.iter_mut().zip(BUCKETS) {
-                if secs <= le {
-                    *bucket += 1;
-                }
+            if let Some(i) = bucket_of(secs) {
+                h.buckets[i] += 1;
             }
             h.sum += secs;
             h.count += 1;
@@ -191,6 +201,10 @@ impl Metrics {
     /// The Prometheus text exposition (format 0.0.4).
     pub fn render(&self) -> String {
         let mut out = String::new();
+        let _ = writeln!(out, "# HELP lattice_build_info Lattice's version, as a label; the value is 1.");
+        let _ = writeln!(out, "# TYPE lattice_build_info gauge");
+        let _ = writeln!(out, "lattice_build_info{{version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
+        process_metrics(&mut out);
         let _ = writeln!(out, "# HELP lattice_queries_in_flight Queries running now.");
         let _ = writeln!(out, "# TYPE lattice_queries_in_flight gauge");
         let _ = writeln!(out, "lattice_queries_in_flight {}", self.in_flight.load(Ordering::Relaxed));
@@ -239,8 +253,10 @@ impl Metrics {
                 last = Some(*family);
             }
             let name = family.name();
+            let mut cumulative = 0;
             for (n, le) in h.buckets.iter().zip(BUCKETS) {
-                let _ = writeln!(out, "{name}_bucket{} {n}", label_text(labels, Some(&le.to_string())));
+                cumulative += n;
+                let _ = writeln!(out, "{name}_bucket{} {cumulative}", label_text(labels, Some(&le.to_string())));
             }
             let _ = writeln!(out, "{name}_bucket{} {}", label_text(labels, Some("+Inf")), h.count);
             let _ = writeln!(out, "{name}_sum{} {}", label_text(labels, None), h.sum);
@@ -275,11 +291,9 @@ impl CallMetric {
 
     /// Records one call that took `took` and ended with `outcome`.
     pub fn record(&self, metrics: &Metrics, outcome: &str, took: Duration) {
-        let secs = took.as_secs_f64();
-        for (bucket, le) in self.buckets.iter().zip(BUCKETS) {
-            if secs <= le {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
+        // One bucket per observation; the exposition makes them cumulative.
+        if let Some(i) = bucket_of(took.as_secs_f64()) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_ns.fetch_add(took.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
@@ -288,14 +302,21 @@ impl CallMetric {
 
     /// Counts one more with `outcome` (no duration).
     pub fn add(&self, metrics: &Metrics, outcome: &str) {
+        self.add_n(metrics, outcome, 1);
+    }
+
+    /// Counts `n` more with `outcome`.
+    pub fn add_n(&self, metrics: &Metrics, outcome: &str, n: u64) {
         match self.outcomes.iter().position(|o| *o == outcome) {
             Some(i) => {
-                self.counts[i].fetch_add(1, Ordering::Relaxed);
+                self.counts[i].fetch_add(n, Ordering::Relaxed);
             }
             None => {
                 let mut labels = self.labels.clone();
                 labels.push((self.outcome_label, outcome.to_owned()));
-                metrics.count(self.counter, labels);
+                if let Ok(mut r) = metrics.registry.lock() {
+                    *r.counters.entry((self.counter, labels)).or_default() += n;
+                }
             }
         }
     }
@@ -341,6 +362,35 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// The standard process metrics, from /proc/self (Linux; nothing elsewhere).
+fn process_metrics(out: &mut String) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return };
+    // The fields after the command name, which is in parentheses.
+    let Some((_, rest)) = stat.rsplit_once(") ") else { return };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+    // Clock ticks per second and the page size: 100 and 4 KiB on the
+    // Linux platforms Lattice is built for.
+    const TICKS: f64 = 100.0;
+    const PAGE: f64 = 4096.0;
+    let mut emit = |name: &str, kind: &str, help: &str, value: Option<f64>| {
+        if let Some(v) = value {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+        }
+    };
+    let cpu = field(14).zip(field(15)).map(|(u, s)| (u + s) / TICKS);
+    emit("process_cpu_seconds_total", "counter", "User and system CPU time spent, in seconds.", cpu);
+    emit("process_resident_memory_bytes", "gauge", "Resident memory size, in bytes.", field(24).map(|p| p * PAGE));
+    emit("process_virtual_memory_bytes", "gauge", "Virtual memory size, in bytes.", field(23));
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as f64).ok();
+    emit("process_open_fds", "gauge", "Open file descriptors.", fds);
+    let boot = std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<f64>().ok())));
+    let start = boot.zip(field(22)).map(|(b, ticks)| b + ticks / TICKS);
+    emit("process_start_time_seconds", "gauge", "Start time of the process since the Unix epoch, in seconds.", start);
 }
 
 fn header(out: &mut String, family: Family, kind: &str) {
