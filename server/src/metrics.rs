@@ -1,23 +1,43 @@
-//! Prometheus metrics, served as text at `GET /metrics` on the admin port
+//! Prometheus metrics, served at `GET /metrics` on the admin port
 //! (`server.admin_listen`, plain HTTP/1.1, so any scraper reads it), never
-//! on the API port.
+//! on the API port, in the OpenMetrics text format, encoded by
+//! `prometheus-client`.
 //!
 //! Label values are names from the config (agent, hook, tool, provider),
 //! status codes and outcome kinds: never anything from a request's payload.
 //! A name that is not in the config (a tool the model invented, an agent a
 //! client asked for) is counted as `(unknown)`.
+//!
+//! The hot path holds its series (a counter per outcome, a histogram) from
+//! the first call on: an observation touches that series alone, never a
+//! registry-wide lock.
 
 use std::{
     collections::BTreeMap,
-    fmt::Write as _,
     sync::{
-        Arc, Mutex,
-        atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicI64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
 
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{
+        MetricType,
+        counter::{ConstCounter, Counter},
+        family::Family as Series,
+        gauge::{ConstGauge, Gauge},
+        histogram::Histogram,
+        info::Info,
+    },
+    registry::Registry,
+};
 use tokio::time::Instant;
+
+/// The exposition's content type.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Histogram buckets, in seconds: from a loopback hook call (~0.1 ms) to a
 /// long query.
@@ -26,9 +46,8 @@ const BUCKETS: [f64; 20] = [
     30.0, 60.0, 120.0,
 ];
 
-/// The bucket a duration falls in (none past the last: counted in +Inf).
-fn bucket_of(secs: f64) -> Option<usize> {
-    BUCKETS.iter().position(|le| secs <= *le)
+fn histogram() -> Histogram {
+    Histogram::new(BUCKETS)
 }
 
 /// A metric family: name, help and type, for the exposition.
@@ -99,50 +118,187 @@ impl Family {
 /// Label pairs, in a fixed order per family.
 pub type Labels = Vec<(&'static str, String)>;
 
-#[derive(Debug, Default, Clone)]
-struct Histogram {
-    buckets: [u64; BUCKETS.len()],
-    sum: f64,
-    count: u64,
+type Counters = Series<Labels, Counter>;
+type Histograms = Series<Labels, Histogram, fn() -> Histogram>;
+
+impl Family {
+    /// The name registered: a counter's without its `_total`, which the
+    /// encoder adds.
+    fn base_name(self) -> &'static str {
+        let name = self.name();
+        name.strip_suffix("_total").unwrap_or(name)
+    }
+
+    /// The help text without its final period, which the encoder adds.
+    fn help_text(self) -> &'static str {
+        let help = self.help();
+        help.strip_suffix('.').unwrap_or(help)
+    }
+
+    fn kind(self) -> MetricType {
+        match self {
+            Family::QueryDuration | Family::HookCallDuration | Family::ModelRequestDuration => MetricType::Histogram,
+            Family::HookReadyAddresses => MetricType::Gauge,
+            _ => MetricType::Counter,
+        }
+    }
+
+    const ALL: [Family; 10] = [
+        Family::Queries,
+        Family::QueryDuration,
+        Family::HookCalls,
+        Family::HookCallDuration,
+        Family::ToolCalls,
+        Family::ModelRequests,
+        Family::ModelRequestDuration,
+        Family::HookReadyAddresses,
+        Family::TraceEventsDropped,
+        Family::ModelTokens,
+    ];
 }
 
+/// Values owned elsewhere (a peer's ready addresses, the trace writer's
+/// drops), read at each scrape.
 #[derive(Debug, Default)]
-struct Registry {
-    counters: BTreeMap<(Family, Labels), u64>,
-    histograms: BTreeMap<(Family, Labels), Histogram>,
-    /// Read when rendered; whoever owns the value keeps it current.
-    gauges: BTreeMap<(Family, Labels), Arc<AtomicUsize>>,
-    /// Call metrics updated without this lock, read when rendered.
-    handles: Vec<Arc<CallMetric>>,
+struct Observed {
+    values: Mutex<Vec<(Family, Labels, Arc<AtomicUsize>)>>,
+}
+
+impl Collector for Observed {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(values) = self.values.lock() else { return Ok(()) };
+        let mut by_family: BTreeMap<Family, Vec<(&Labels, u64)>> = BTreeMap::new();
+        for (family, labels, value) in values.iter() {
+            by_family.entry(*family).or_default().push((labels, value.load(Ordering::Relaxed) as u64));
+        }
+        for (family, series) in by_family {
+            let mut descriptor =
+                encoder.encode_descriptor(family.base_name(), family.help_text(), None, family.kind())?;
+            for (labels, value) in series {
+                let metric = descriptor.encode_family(labels)?;
+                match family.kind() {
+                    MetricType::Counter => ConstCounter::new(value).encode(metric)?,
+                    _ => ConstGauge::new(value as i64).encode(metric)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The standard process metrics, from /proc/self (Linux; none elsewhere).
+#[derive(Debug)]
+struct Process;
+
+impl Collector for Process {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return Ok(()) };
+        // The fields after the command name, which is in parentheses.
+        let Some((_, rest)) = stat.rsplit_once(") ") else { return Ok(()) };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+        // Clock ticks per second and the page size: 100 and 4 KiB on the
+        // Linux platforms Lattice is built for.
+        const TICKS: f64 = 100.0;
+        const PAGE: f64 = 4096.0;
+        if let Some(cpu) = field(14).zip(field(15)).map(|(u, s)| (u + s) / TICKS) {
+            let e = encoder.encode_descriptor(
+                "process_cpu_seconds",
+                "User and system CPU time spent, in seconds",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(cpu).encode(e)?;
+        }
+        let mut gauge = |name: &str, help: &str, value: Option<f64>| -> Result<(), std::fmt::Error> {
+            if let Some(v) = value {
+                ConstGauge::new(v).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+            }
+            Ok(())
+        };
+        gauge("process_resident_memory_bytes", "Resident memory size, in bytes", field(24).map(|p| p * PAGE))?;
+        gauge("process_virtual_memory_bytes", "Virtual memory size, in bytes", field(23))?;
+        let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as f64).ok();
+        gauge("process_open_fds", "Open file descriptors", fds)?;
+        let boot = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<f64>().ok())));
+        let start = boot.zip(field(22)).map(|(b, ticks)| b + ticks / TICKS);
+        gauge("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds", start)
+    }
 }
 
 /// The metrics of one server.
-#[derive(Debug, Default)]
 pub struct Metrics {
-    registry: Mutex<Registry>,
-    in_flight: AtomicI64,
+    registry: Registry,
+    counters: BTreeMap<Family, Counters>,
+    histograms: BTreeMap<Family, Histograms>,
+    observed: Arc<Observed>,
+    in_flight: Gauge<i64, AtomicI64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").field("in_flight", &self.in_flight.get()).finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let (mut counters, mut histograms) = (BTreeMap::new(), BTreeMap::new());
+        for family in Family::ALL {
+            match family.kind() {
+                MetricType::Counter if family != Family::TraceEventsDropped => {
+                    counters.entry(family).or_insert_with(|| {
+                        let series = Counters::default();
+                        registry.register(family.base_name(), family.help_text(), series.clone());
+                        series
+                    });
+                }
+                MetricType::Histogram => {
+                    histograms.entry(family).or_insert_with(|| {
+                        let series = Histograms::new_with_constructor(histogram as fn() -> Histogram);
+                        registry.register(family.base_name(), family.help_text(), series.clone());
+                        series
+                    });
+                }
+                _ => {}
+            }
+        }
+        let in_flight = Gauge::<i64, AtomicI64>::default();
+        registry.register("lattice_queries_in_flight", "Queries running now", in_flight.clone());
+        registry.register(
+            "lattice_build",
+            "Lattice's version, as a label",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        let observed = Arc::new(Observed::default());
+        registry.register_collector(Box::new(observed.clone()));
+        registry.register_collector(Box::new(Process));
+        Metrics { registry, counters, histograms, observed, in_flight }
+    }
 }
 
 impl Metrics {
     /// Adds one to a counter.
     pub fn count(&self, family: Family, labels: Labels) {
-        if let Ok(mut r) = self.registry.lock() {
-            *r.counters.entry((family, labels)).or_default() += 1;
+        if let Some(series) = self.counters.get(&family) {
+            series.get_or_create(&labels).inc();
         }
     }
 
-    /// Shows `value` as a gauge (read at each scrape).
+    /// Shows `value` as a gauge (a counter for a family that only grows),
+    /// read at each scrape.
     pub fn gauge(&self, family: Family, labels: Labels, value: Arc<AtomicUsize>) {
-        if let Ok(mut r) = self.registry.lock() {
-            r.gauges.insert((family, labels), value);
+        if let Ok(mut values) = self.observed.values.lock() {
+            values.push((family, labels, value));
         }
     }
 
-    /// A call metric for one label set, updated without a lock (for the
-    /// hot path: make it once, at start-up). `outcomes` are the outcomes it
-    /// counts itself; any other is counted through the registry. The
-    /// counter is labelled with `labels` and the outcome (as `outcome`);
-    /// the histogram, if any, with `labels`.
+    /// A call metric for one label set (for the hot path: make it once, at
+    /// start-up). The counter is labelled with `labels` and the outcome
+    /// (as `outcome`); the histogram, if any, with `labels`.
     pub fn call_metric(
         &self,
         counter: Family,
@@ -154,6 +310,8 @@ impl Metrics {
     }
 
     /// [`Metrics::call_metric`], with the outcome as label `outcome_label`.
+    /// `outcomes` are the outcomes it keeps a series of its own for; any
+    /// other is counted through the family.
     pub fn call_metric_as(
         &self,
         counter: Family,
@@ -162,106 +320,34 @@ impl Metrics {
         outcome_label: &'static str,
         outcomes: &'static [&'static str],
     ) -> Arc<CallMetric> {
-        let metric = Arc::new(CallMetric {
-            counter,
-            histogram,
+        Arc::new(CallMetric {
+            counters: self.counters.get(&counter).cloned().unwrap_or_default(),
+            histograms: histogram.and_then(|h| self.histograms.get(&h).cloned()),
             labels,
             outcome_label,
             outcomes,
-            counts: outcomes.iter().map(|_| AtomicU64::new(0)).collect(),
-            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
-            count: AtomicU64::new(0),
-            sum_ns: AtomicU64::new(0),
-        });
-        if let Ok(mut r) = self.registry.lock() {
-            r.handles.push(metric.clone());
-        }
-        metric
+            counts: outcomes.iter().map(|_| OnceLock::new()).collect(),
+            histogram: OnceLock::new(),
+        })
     }
 
     /// Records a duration.
     pub fn observe(&self, family: Family, labels: Labels, took: Duration) {
-        let secs = took.as_secs_f64();
-        if let Ok(mut r) = self.registry.lock() {
-            let h = r.histograms.entry((family, labels)).or_default();
-            if let Some(i) = bucket_of(secs) {
-                h.buckets[i] += 1;
-            }
-            h.sum += secs;
-            h.count += 1;
+        if let Some(series) = self.histograms.get(&family) {
+            series.get_or_create(&labels).observe(took.as_secs_f64());
         }
     }
 
     /// A query started; the guard counts it in flight until dropped.
     pub fn query_started(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.inc();
         InFlight(self.clone())
     }
 
-    /// The Prometheus text exposition (format 0.0.4).
+    /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "# HELP lattice_build_info Lattice's version, as a label; the value is 1.");
-        let _ = writeln!(out, "# TYPE lattice_build_info gauge");
-        let _ = writeln!(out, "lattice_build_info{{version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
-        process_metrics(&mut out);
-        let _ = writeln!(out, "# HELP lattice_queries_in_flight Queries running now.");
-        let _ = writeln!(out, "# TYPE lattice_queries_in_flight gauge");
-        let _ = writeln!(out, "lattice_queries_in_flight {}", self.in_flight.load(Ordering::Relaxed));
-        let Ok(r) = self.registry.lock() else { return out };
-        // The handles' values, merged into the registry's for rendering.
-        let (mut counters, mut histograms) = (r.counters.clone(), r.histograms.clone());
-        for m in &r.handles {
-            for (outcome, n) in m.outcomes.iter().zip(&m.counts) {
-                let n = n.load(Ordering::Relaxed);
-                if n > 0 {
-                    let mut labels = m.labels.clone();
-                    labels.push((m.outcome_label, (*outcome).to_owned()));
-                    *counters.entry((m.counter, labels)).or_default() += n;
-                }
-            }
-            let count = m.count.load(Ordering::Relaxed);
-            if let (Some(histogram), true) = (m.histogram, count > 0) {
-                let h = histograms.entry((histogram, m.labels.clone())).or_default();
-                for (b, v) in h.buckets.iter_mut().zip(&m.buckets) {
-                    *b += v.load(Ordering::Relaxed);
-                }
-                h.count += count;
-                h.sum += m.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-            }
-        }
-        let mut last = None;
-        for ((family, labels), value) in &r.gauges {
-            if last != Some(*family) {
-                // A value owned elsewhere: a counter when it only grows.
-                let kind = if *family == Family::TraceEventsDropped { "counter" } else { "gauge" };
-                header(&mut out, *family, kind);
-                last = Some(*family);
-            }
-            let _ = writeln!(out, "{}{} {}", family.name(), label_text(labels, None), value.load(Ordering::Relaxed));
-        }
-        for ((family, labels), value) in &counters {
-            if last != Some(*family) {
-                header(&mut out, *family, "counter");
-                last = Some(*family);
-            }
-            let _ = writeln!(out, "{}{} {value}", family.name(), label_text(labels, None));
-        }
-        for ((family, labels), h) in &histograms {
-            if last != Some(*family) {
-                header(&mut out, *family, "histogram");
-                last = Some(*family);
-            }
-            let name = family.name();
-            let mut cumulative = 0;
-            for (n, le) in h.buckets.iter().zip(BUCKETS) {
-                cumulative += n;
-                let _ = writeln!(out, "{name}_bucket{} {cumulative}", label_text(labels, Some(&le.to_string())));
-            }
-            let _ = writeln!(out, "{name}_bucket{} {}", label_text(labels, Some("+Inf")), h.count);
-            let _ = writeln!(out, "{name}_sum{} {}", label_text(labels, None), h.sum);
-            let _ = writeln!(out, "{name}_count{} {}", label_text(labels, None), h.count);
-        }
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
 }
@@ -269,15 +355,15 @@ impl Metrics {
 /// A call metric for one label set (see [`Metrics::call_metric`]).
 #[derive(Debug)]
 pub struct CallMetric {
-    counter: Family,
-    histogram: Option<Family>,
+    counters: Counters,
+    histograms: Option<Histograms>,
     labels: Labels,
     outcome_label: &'static str,
     outcomes: &'static [&'static str],
-    counts: Vec<AtomicU64>,
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_ns: AtomicU64,
+    /// Each outcome's series, made on its first use (a series appears in
+    /// the exposition once something happened).
+    counts: Vec<OnceLock<Counter>>,
+    histogram: OnceLock<Histogram>,
 }
 
 impl CallMetric {
@@ -291,12 +377,9 @@ impl CallMetric {
 
     /// Records one call that took `took` and ended with `outcome`.
     pub fn record(&self, metrics: &Metrics, outcome: &str, took: Duration) {
-        // One bucket per observation; the exposition makes them cumulative.
-        if let Some(i) = bucket_of(took.as_secs_f64()) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        if let Some(series) = &self.histograms {
+            self.histogram.get_or_init(|| series.get_or_create(&self.labels).clone()).observe(took.as_secs_f64());
         }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(took.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
         self.add(metrics, outcome);
     }
 
@@ -306,19 +389,16 @@ impl CallMetric {
     }
 
     /// Counts `n` more with `outcome`.
-    pub fn add_n(&self, metrics: &Metrics, outcome: &str, n: u64) {
+    pub fn add_n(&self, _metrics: &Metrics, outcome: &str, n: u64) {
+        let series = |outcome: &str| {
+            let mut labels = self.labels.clone();
+            labels.push((self.outcome_label, outcome.to_owned()));
+            self.counters.get_or_create(&labels).clone()
+        };
         match self.outcomes.iter().position(|o| *o == outcome) {
-            Some(i) => {
-                self.counts[i].fetch_add(n, Ordering::Relaxed);
-            }
-            None => {
-                let mut labels = self.labels.clone();
-                labels.push((self.outcome_label, outcome.to_owned()));
-                if let Ok(mut r) = metrics.registry.lock() {
-                    *r.counters.entry((self.counter, labels)).or_default() += n;
-                }
-            }
-        }
+            Some(i) => self.counts[i].get_or_init(|| series(outcome)).inc_by(n),
+            None => series(outcome).inc_by(n),
+        };
     }
 }
 
@@ -360,54 +440,8 @@ pub struct InFlight(Arc<Metrics>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_flight.dec();
     }
-}
-
-/// The standard process metrics, from /proc/self (Linux; nothing elsewhere).
-fn process_metrics(out: &mut String) {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return };
-    // The fields after the command name, which is in parentheses.
-    let Some((_, rest)) = stat.rsplit_once(") ") else { return };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<f64>().ok());
-    // Clock ticks per second and the page size: 100 and 4 KiB on the
-    // Linux platforms Lattice is built for.
-    const TICKS: f64 = 100.0;
-    const PAGE: f64 = 4096.0;
-    let mut emit = |name: &str, kind: &str, help: &str, value: Option<f64>| {
-        if let Some(v) = value {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
-        }
-    };
-    let cpu = field(14).zip(field(15)).map(|(u, s)| (u + s) / TICKS);
-    emit("process_cpu_seconds_total", "counter", "User and system CPU time spent, in seconds.", cpu);
-    emit("process_resident_memory_bytes", "gauge", "Resident memory size, in bytes.", field(24).map(|p| p * PAGE));
-    emit("process_virtual_memory_bytes", "gauge", "Virtual memory size, in bytes.", field(23));
-    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as f64).ok();
-    emit("process_open_fds", "gauge", "Open file descriptors.", fds);
-    let boot = std::fs::read_to_string("/proc/stat")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<f64>().ok())));
-    let start = boot.zip(field(22)).map(|(b, ticks)| b + ticks / TICKS);
-    emit("process_start_time_seconds", "gauge", "Start time of the process since the Unix epoch, in seconds.", start);
-}
-
-fn header(out: &mut String, family: Family, kind: &str) {
-    let _ = writeln!(out, "# HELP {} {}", family.name(), family.help());
-    let _ = writeln!(out, "# TYPE {} {kind}", family.name());
-}
-
-fn label_text(labels: &Labels, le: Option<&str>) -> String {
-    let mut parts: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", escape(v))).collect();
-    if let Some(le) = le {
-        parts.push(format!("le=\"{le}\""));
-    }
-    if parts.is_empty() { String::new() } else { format!("{{{}}}", parts.join(",")) }
-}
-
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 /// Serves `GET /metrics` (HTTP/1.1) on the admin listener until the
@@ -419,9 +453,7 @@ pub async fn serve_admin(listener: tokio::net::TcpListener, metrics: Arc<Metrics
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
                 let response = if req.uri().path() == "/metrics" {
-                    http::Response::builder()
-                        .header(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")
-                        .body(metrics.render())
+                    http::Response::builder().header(http::header::CONTENT_TYPE, OPENMETRICS).body(metrics.render())
                 } else {
                     http::Response::builder().status(http::StatusCode::NOT_FOUND).body(String::new())
                 };
@@ -445,14 +477,16 @@ mod tests {
         m.observe(Family::QueryDuration, vec![("agent", "a".into())], Duration::from_millis(30));
         let text = m.render();
         assert!(text.contains("lattice_queries_total{agent=\"a\\\"b\",code=\"OK\"} 2"), "{text}");
-        assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.025\"} 0"), "{text}");
-        assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.05\"} 1"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_bucket{le=\"0.025\",agent=\"a\"} 0"), "{text}");
+        assert!(text.contains("lattice_query_duration_seconds_bucket{le=\"0.05\",agent=\"a\"} 1"), "{text}");
         assert!(text.contains("lattice_query_duration_seconds_count{agent=\"a\"} 1"), "{text}");
-        assert_eq!(text.matches("# TYPE lattice_queries_total counter").count(), 1);
+        assert_eq!(text.matches("# TYPE lattice_queries counter").count(), 1);
+        assert!(text.contains("lattice_build_info{version=\""), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
     #[test]
-    fn call_metrics_render_with_the_registry() {
+    fn call_metrics_count_every_outcome_once() {
         let m = Metrics::default();
         let labels = || vec![("agent", "a".to_owned()), ("hook", "h".to_owned())];
         let handle = m.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels(), &["ok", "deadline"]);
@@ -462,35 +496,44 @@ mod tests {
         handle.start(&m, far).finish("unavailable");
         // Dropped unfinished before its deadline: cancelled.
         drop(handle.start(&m, far));
-        // The registry's own counts of the same labels are added in.
-        m.count(Family::HookCalls, vec![("agent", "a".to_owned()), ("hook", "h".to_owned()), ("outcome", "ok".into())]);
-        m.observe(Family::HookCallDuration, labels(), Duration::from_millis(3));
         let text = m.render();
-        assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"ok\"} 3"), "{text}");
+        assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"ok\"} 2"), "{text}");
         assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"unavailable\"} 1"), "{text}");
         assert!(text.contains("lattice_hook_calls_total{agent=\"a\",hook=\"h\",outcome=\"cancelled\"} 1"), "{text}");
-        assert!(text.contains("lattice_hook_call_duration_seconds_count{agent=\"a\",hook=\"h\"} 5"), "{text}");
-        assert_eq!(text.matches("# TYPE lattice_hook_calls_total counter").count(), 1);
+        assert!(!text.contains("outcome=\"deadline\""), "no series before something happened: {text}");
+        assert!(text.contains("lattice_hook_call_duration_seconds_count{agent=\"a\",hook=\"h\"} 4"), "{text}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_dropped_after_its_deadline_counts_as_deadline() {
+        let m = Metrics::default();
+        let handle = m.call_metric(Family::HookCalls, None, vec![("hook", "h".to_owned())], &["ok", "deadline"]);
+        let record = handle.start(&m, Instant::now() + Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        drop(record);
+        assert!(m.render().contains("lattice_hook_calls_total{hook=\"h\",outcome=\"deadline\"} 1"));
     }
 
     #[test]
-    fn call_metrics_take_their_outcome_label_and_may_have_no_histogram() {
+    fn observed_values_and_the_token_counter_render_with_their_types() {
         let m = Metrics::default();
-        let agent = || vec![("agent", "a".to_owned())];
-        let queries = m.call_metric_as(Family::Queries, Some(Family::QueryDuration), agent(), "code", &["OK"]);
-        queries.record(&m, "OK", Duration::from_millis(30));
-        queries.record(&m, "DATA_LOSS", Duration::from_millis(1));
-        let tools = m.call_metric(Family::ToolCalls, None, vec![("tool", "t".to_owned())], &["executed"]);
-        tools.add(&m, "executed");
-        tools.add(&m, "blocked");
+        let ready = Arc::new(AtomicUsize::new(2));
+        m.gauge(Family::HookReadyAddresses, vec![("hook", "h".to_owned())], ready.clone());
+        m.gauge(Family::TraceEventsDropped, vec![], Arc::new(AtomicUsize::new(7)));
+        let tokens = m.call_metric_as(
+            Family::ModelTokens,
+            None,
+            vec![("agent", "a".to_owned())],
+            "direction",
+            &["input", "output"],
+        );
+        tokens.add_n(&m, "input", 120);
+        ready.store(1, Ordering::Relaxed);
         let text = m.render();
-        assert!(text.contains("lattice_queries_total{agent=\"a\",code=\"OK\"} 1"), "{text}");
-        assert!(text.contains("lattice_queries_total{agent=\"a\",code=\"DATA_LOSS\"} 1"), "{text}");
-        assert!(text.contains("lattice_query_duration_seconds_bucket{agent=\"a\",le=\"0.025\"} 1"), "{text}");
-        assert!(text.contains("lattice_query_duration_seconds_count{agent=\"a\"} 2"), "{text}");
-        assert!(text.contains("lattice_tool_calls_total{tool=\"t\",outcome=\"executed\"} 1"), "{text}");
-        assert!(text.contains("lattice_tool_calls_total{tool=\"t\",outcome=\"blocked\"} 1"), "{text}");
-        assert!(!text.contains("lattice_tool_calls_total_count"), "{text}");
-        assert_eq!(text.matches("# TYPE lattice_queries_total counter").count(), 1);
+        assert!(text.contains("# TYPE lattice_hook_ready_addresses gauge"), "{text}");
+        assert!(text.contains("lattice_hook_ready_addresses{hook=\"h\"} 1"), "{text}");
+        assert!(text.contains("# TYPE lattice_trace_events_dropped counter"), "{text}");
+        assert!(text.contains("lattice_trace_events_dropped_total 7"), "{text}");
+        assert!(text.contains("lattice_model_tokens_total{agent=\"a\",direction=\"input\"} 120"), "{text}");
     }
 }

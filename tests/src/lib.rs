@@ -358,7 +358,7 @@ impl Lattice {
         conn.read_to_string(&mut response).await.expect("reading /metrics");
         let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        assert!(head.to_ascii_lowercase().contains("content-type: text/plain"), "{head}");
+        assert!(head.to_ascii_lowercase().contains("content-type: application/openmetrics-text"), "{head}");
         body.to_owned()
     }
 

@@ -17,7 +17,7 @@ use serde_json::Value;
 fn parse(text: &str) -> Vec<Value> {
     let script = r#"
 import json, sys
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 out = []
 for family in text_string_to_metric_families(sys.stdin.read()):
     for s in family.samples:
