@@ -296,7 +296,7 @@ impl HookChain {
             .map(|(d, peer)| {
                 metrics.gauge(
                     Family::HookReadyAddresses,
-                    vec![("agent", agent.to_owned()), ("hook", d.name.clone())],
+                    vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("endpoint", d.endpoint.clone())],
                     peer.ready_gauge(),
                 );
                 let call_metrics = [HookEvent::ToolResult, HookEvent::ModelRequest].map(|e| {

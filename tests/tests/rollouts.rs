@@ -129,7 +129,7 @@ async fn readiness_follows_the_required_hooks() {
     let optional = required.clone() + "required = false\n";
     let lattice = Lattice::start(&required).await;
     let relaxed = Lattice::start(&optional).await;
-    let gauge = "lattice_hook_ready_addresses{agent=\"x\",hook=\"h\"}";
+    let gauge = format!("lattice_hook_ready_addresses{{agent=\"x\",hook=\"h\",endpoint=\"{endpoint}\"}}");
     assert!(lattice.metrics().await.contains(&format!("{gauge} 1")), "{}", lattice.metrics().await);
     let hooks = agent_state(&lattice).await.hooks;
     assert_eq!((hooks[0].ready_addresses, hooks[0].required), (1, true));
