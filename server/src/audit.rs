@@ -3,16 +3,20 @@
 //!
 //! For every hook call of a query (delegated agents' included), one entry:
 //! the agent, hook, event and subject (a `tool_use_id`, or `turn N`), the
-//! hook's position in its chain for that event, its outcome, and the
-//! SHA-256 of the value it was given and of the value it passed on (hex).
-//! `changed` is whether they differ: a redaction shows as a change of hash
-//! at the hook that redacted. A hook that failed has no "after": the chain
-//! stopped there. The value itself is never part of the record.
+//! hook's position in its chain for that event, its outcome, and the digest
+//! of the value it was given and of the value it passed on (hex).
+//! `changed` is whether they differ: a redaction shows as a change of
+//! digest at the hook that redacted. A hook that failed has no "after": the
+//! chain stopped there. The value itself is never part of the record.
 //!
-//! What is hashed: for a tool result, the protobuf encoding of its
+//! What is digested: for a tool result, the protobuf encoding of its
 //! `lattice.agent.v1.ToolResultBlock`; for a model request, the encoding of
 //! an `OnModelRequestRequest` holding only its `system` and `messages`.
-//! Anyone holding a value can recompute its hash.
+//! The digest is SHA-256, which anyone holding a value can recompute — and
+//! anyone reading the record can test guesses against, which matters for a
+//! value with few possibilities (a PIN, a short account number). With
+//! `server.audit_key_env` it is HMAC-SHA256 under that key instead: only
+//! whoever holds the key can check a value against the record.
 //!
 //! The record is kept only when it has somewhere to go (a trace directory
 //! or OpenTelemetry export): then one `audit` event ends the query in the
@@ -26,7 +30,7 @@ use serde::Serialize;
 
 use crate::{
     convert,
-    domain::{Message, ModelRequest, ToolResult},
+    domain::{ModelRequest, ToolResult},
 };
 
 /// One hook call, audited.
@@ -46,20 +50,73 @@ pub struct AuditEntry {
     pub outcome: &'static str,
     /// Whether the value passed on differs from the value given.
     pub changed: bool,
-    /// SHA-256 (hex) of the value given.
-    pub sha256_before: String,
-    /// SHA-256 (hex) of the value passed on; none when the hook failed.
+    /// The digest (hex) of the value given.
+    pub digest_before: String,
+    /// The digest (hex) of the value passed on; none when the hook failed.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub sha256_after: Option<String>,
+    pub digest_after: Option<String>,
+}
+
+/// How values are digested: SHA-256, or HMAC-SHA256 under a key.
+#[derive(Clone, Default)]
+pub struct Digest {
+    key: Option<ring::hmac::Key>,
+}
+
+impl std::fmt::Debug for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.algorithm())
+    }
+}
+
+impl Digest {
+    /// HMAC-SHA256 under `key`.
+    pub fn keyed(key: &[u8]) -> Digest {
+        Digest { key: Some(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key)) }
+    }
+
+    /// `sha256` or `hmac-sha256`.
+    pub fn algorithm(&self) -> &'static str {
+        if self.key.is_some() { "hmac-sha256" } else { "sha256" }
+    }
+
+    fn hex(&self, bytes: &[u8]) -> String {
+        match &self.key {
+            Some(key) => hex(ring::hmac::sign(key, bytes).as_ref()),
+            None => sha256_hex(bytes),
+        }
+    }
+
+    /// The digest of a tool result (see the module docs).
+    pub fn tool_result(&self, result: &ToolResult) -> String {
+        self.hex(&lattice_proto::agent::v1::ToolResultBlock::from(result).encode_to_vec())
+    }
+
+    /// The digest of a model request's system prompt and messages.
+    pub fn model_request(&self, request: &ModelRequest) -> String {
+        let value = lattice_proto::hooks::v1::OnModelRequestRequest {
+            system: request.system.clone(),
+            messages: convert::messages_to_pb(&request.messages),
+            ..Default::default()
+        };
+        self.hex(&value.encode_to_vec())
+    }
 }
 
 /// A query's audit record, filled as its hooks run.
 #[derive(Debug, Default)]
 pub struct Audit {
+    /// How its values are digested.
+    pub digest: Digest,
     entries: Mutex<Vec<AuditEntry>>,
 }
 
 impl Audit {
+    /// An empty record whose values are digested with `digest`.
+    pub fn new(digest: Digest) -> Audit {
+        Audit { digest, entries: Mutex::default() }
+    }
+
     /// Adds one hook call.
     pub fn record(&self, entry: AuditEntry) {
         if let Ok(mut entries) = self.entries.lock() {
@@ -73,30 +130,14 @@ impl Audit {
     }
 }
 
+fn hex(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    bytes.iter().flat_map(|b| [HEX[usize::from(b >> 4)] as char, HEX[usize::from(b & 15)] as char]).collect()
+}
+
 /// SHA-256 of `bytes`, lowercase hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
-    digest.as_ref().iter().flat_map(|b| [HEX[usize::from(b >> 4)] as char, HEX[usize::from(b & 15)] as char]).collect()
-}
-
-/// The hash of a tool result (see the module docs).
-pub fn tool_result_digest(result: &ToolResult) -> String {
-    sha256_hex(&lattice_proto::agent::v1::ToolResultBlock::from(result).encode_to_vec())
-}
-
-/// The hash of a model request's system prompt and messages.
-pub fn model_request_digest(request: &ModelRequest) -> String {
-    model_request_digest_of(&request.system, &request.messages)
-}
-
-fn model_request_digest_of(system: &str, messages: &[Message]) -> String {
-    let value = lattice_proto::hooks::v1::OnModelRequestRequest {
-        system: system.to_owned(),
-        messages: convert::messages_to_pb(messages),
-        ..Default::default()
-    };
-    sha256_hex(&value.encode_to_vec())
+    hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
 }
 
 /// The version of a hook chain's configuration: the first 16 hex digits
@@ -129,10 +170,16 @@ mod tests {
     }
 
     #[test]
-    fn a_changed_result_has_another_digest() {
+    fn a_changed_result_has_another_digest_and_a_key_changes_every_digest() {
         let a = ToolResult::text("t1", "ada@example.com", false);
         let b = ToolResult::text("t1", "[REDACTED:email]", false);
-        assert_eq!(tool_result_digest(&a), tool_result_digest(&a.clone()));
-        assert_ne!(tool_result_digest(&a), tool_result_digest(&b));
+        let (plain, keyed) = (Digest::default(), Digest::keyed(b"k"));
+        assert_eq!(plain.tool_result(&a), plain.tool_result(&a.clone()));
+        assert_ne!(plain.tool_result(&a), plain.tool_result(&b));
+        assert_ne!(plain.tool_result(&a), keyed.tool_result(&a));
+        assert_eq!(keyed.tool_result(&a), keyed.tool_result(&a.clone()));
+        // RFC 4231 test case 2.
+        let hmac = Digest::keyed(b"Jefe").hex(b"what do ya want for nothing?");
+        assert_eq!(hmac, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
     }
 }

@@ -141,6 +141,7 @@ struct RawServer {
     trace_queue_events: Option<usize>,
     trace_max_file_bytes: Option<u64>,
     trace_max_age_s: Option<u64>,
+    audit_key_env: Option<Spanned<String>>,
     auth: Option<Spanned<RawAuth>>,
     #[serde(default)]
     limits: RawLimits,
@@ -476,6 +477,9 @@ pub struct ServerSettings {
     pub trace_max_file_bytes: u64,
     /// Trace files untouched this long are removed.
     pub trace_max_age: Duration,
+    /// The key of the audit record's HMAC digests (`server.audit_key_env`);
+    /// `None`: plain SHA-256.
+    pub audit_key: Option<AuditKey>,
     /// After SIGTERM, keep accepting queries (health NOT_SERVING) this long
     /// before stopping, so that clients still routed here are served.
     pub drain: Duration,
@@ -488,6 +492,16 @@ pub struct ServerSettings {
     pub auth: AuthSettings,
     /// Per-principal limits (`[server.limits]`).
     pub limits: crate::limits::LimitSettings,
+}
+
+/// A secret key, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuditKey(pub String);
+
+impl fmt::Debug for AuditKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 /// `[server.auth]`.
@@ -1166,6 +1180,10 @@ impl Validator<'_> {
             self.problem(None, "server.hook_deadline_ms", message);
         }
         let auth = self.auth(s.auth, tls.as_ref());
+        let audit_key = s
+            .audit_key_env
+            .as_ref()
+            .map(|v| AuditKey(self.secret(v, "server.audit_key_env", "the audit record's HMAC key")));
         ServerSettings {
             listen,
             admin_listen,
@@ -1183,6 +1201,7 @@ impl Validator<'_> {
             trace_queue_events: s.trace_queue_events.unwrap_or(4096).max(1),
             trace_max_file_bytes: s.trace_max_file_bytes.unwrap_or(64 << 20).max(1),
             trace_max_age: Duration::from_secs(s.trace_max_age_s.unwrap_or(7 * 24 * 3600)),
+            audit_key,
             drain: ms(s.drain_ms.unwrap_or(0)),
             peer_health_check: Some(s.peer_health_check_ms.unwrap_or(defaults::PEER_HEALTH_CHECK_MS))
                 .filter(|v| *v > 0)

@@ -358,8 +358,8 @@ impl HookChain {
             position,
             outcome,
             changed: after.as_ref().is_some_and(|a| *a != before),
-            sha256_before: before,
-            sha256_after: after,
+            digest_before: before,
+            digest_after: after,
         });
     }
 
@@ -425,8 +425,8 @@ impl HookChain {
         mut observe: Option<&mut Observer<'_, ToolResult>>,
     ) -> Result<ToolResult, ChainError> {
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
-        let audited = step.scope.audit.is_some();
-        let mut digest = audited.then(|| crate::audit::tool_result_digest(&result));
+        let audit = step.scope.audit.as_deref();
+        let mut digest = audit.map(|a| a.digest.tool_result(&result));
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
             let request = pb::OnToolResultRequest {
                 context: Some(self.context(step)),
@@ -455,7 +455,7 @@ impl HookChain {
                         result = r;
                     }
                     if let Some(before) = digest.take() {
-                        let after = replaced.then(|| crate::audit::tool_result_digest(&result));
+                        let after = audit.filter(|_| replaced).map(|a| a.digest.tool_result(&result));
                         let kept = after.clone().unwrap_or_else(|| before.clone());
                         let (event, position) = (HookEvent::ToolResult, position as u32 + 1);
                         self.audit(step, hook, event, &subject(), position, before, Ok(after));
@@ -514,7 +514,8 @@ impl HookChain {
             messages.drain(..omitted);
         }
         let mut first = Some(messages);
-        let mut digest = step.scope.audit.is_some().then(|| crate::audit::model_request_digest(&request));
+        let audit = step.scope.audit.as_deref();
+        let mut digest = audit.map(|a| a.digest.model_request(&request));
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
             let pb_request = pb::OnModelRequestRequest {
@@ -553,7 +554,7 @@ impl HookChain {
                 request.system = system;
             }
             if let Some(before) = digest.take() {
-                let after = replaced.then(|| crate::audit::model_request_digest(&request));
+                let after = audit.filter(|_| replaced).map(|a| a.digest.model_request(&request));
                 let kept = after.clone().unwrap_or_else(|| before.clone());
                 self.audit(step, hook, HookEvent::ModelRequest, &subject, position, before, Ok(after));
                 digest = Some(kept);

@@ -41,6 +41,8 @@ pub struct AgentSvc {
     limits: Arc<Limits>,
     /// Queries in flight across all sessions; the excess is refused.
     queries: Arc<Semaphore>,
+    /// How audit records digest values.
+    digest: crate::audit::Digest,
 }
 
 impl AgentSvc {
@@ -48,7 +50,11 @@ impl AgentSvc {
     pub fn new(runtime: Arc<Runtime>, store: Arc<dyn SessionStore>, auth: Arc<Authenticator>) -> Self {
         let limit = runtime.settings.max_concurrent_queries;
         let limits = Limits::new(runtime.settings.limits);
-        Self { runtime, store, auth, limits, queries: Arc::new(Semaphore::new(limit)) }
+        let digest = match &runtime.settings.audit_key {
+            Some(key) => crate::audit::Digest::keyed(key.0.as_bytes()),
+            None => crate::audit::Digest::default(),
+        };
+        Self { runtime, store, auth, limits, queries: Arc::new(Semaphore::new(limit)), digest }
     }
 }
 
@@ -168,7 +174,7 @@ impl AgentSvc {
             deadline,
             // Kept when it has somewhere to go (see `audit`).
             audit: (runtime.settings.trace_dir.is_some() || crate::telemetry::enabled())
-                .then(|| Arc::new(crate::audit::Audit::default())),
+                .then(|| Arc::new(crate::audit::Audit::new(self.digest.clone()))),
         };
         let ctx = RunCtx {
             scope: scope.clone(),
@@ -295,9 +301,10 @@ async fn audit(runtime: &Runtime, scope: &Scope, chain_version: &str, code: toni
     let Some(audit) = &scope.audit else { return };
     let hooks = audit.entries();
     let outcome = status::code_name(code);
-    runtime.tracer().emit(scope, TraceEvent::Audit { chain_version, outcome, hooks: &hooks }).await;
+    let digest = audit.digest.algorithm();
+    runtime.tracer().emit(scope, TraceEvent::Audit { chain_version, outcome, digest, hooks: &hooks }).await;
     let record = serde_json::to_string(&hooks).unwrap_or_default();
-    info!(target: "lattice::audit", chain_version, outcome, hook_calls = hooks.len(), hooks = %record, "query audit");
+    info!(target: "lattice::audit", chain_version, outcome, digest, hook_calls = hooks.len(), hooks = %record, "query audit");
 }
 
 /// Session ids are made here (see [`crate::session::new_id`]; older ones

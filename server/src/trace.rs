@@ -92,6 +92,8 @@ pub enum TraceEvent<'a> {
         chain_version: &'a str,
         /// The query's status code's name.
         outcome: &'a str,
+        /// `sha256` or `hmac-sha256`.
+        digest: &'a str,
         /// Every hook call, in the order they ended.
         hooks: &'a [crate::audit::AuditEntry],
     },

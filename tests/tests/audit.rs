@@ -77,7 +77,7 @@ async fn a_redaction_shows_as_a_hash_change_at_the_hook_that_made_it() {
     assert_no_leak(&secret, &lattice, &out);
 
     let audit = audit_of(&lattice.traces());
-    assert_eq!(audit["outcome"], "OK");
+    assert_eq!((audit["outcome"].as_str(), audit["digest"].as_str()), (Some("OK"), Some("sha256")));
     assert_eq!(audit["chain_version"].as_str().unwrap().len(), 16);
     let results = entries(&audit, "tool_result");
     let order: Vec<(&str, u64, bool)> = results
@@ -87,12 +87,12 @@ async fn a_redaction_shows_as_a_hash_change_at_the_hook_that_made_it() {
     assert_eq!(order, [("a", 1, false), ("b", 2, true), ("c", 3, false)]);
     let id = results[0]["subject"].as_str().unwrap();
     let (raw, redacted) = (result_hash(id, &secret), result_hash(id, "[REDACTED]"));
-    assert_eq!((results[0]["sha256_before"].as_str(), results[0]["sha256_after"].as_str()), (Some(&*raw), Some(&*raw)));
+    assert_eq!((results[0]["digest_before"].as_str(), results[0]["digest_after"].as_str()), (Some(&*raw), Some(&*raw)));
     assert_eq!(
-        (results[1]["sha256_before"].as_str(), results[1]["sha256_after"].as_str()),
+        (results[1]["digest_before"].as_str(), results[1]["digest_after"].as_str()),
         (Some(&*raw), Some(&*redacted))
     );
-    assert_eq!(results[2]["sha256_before"].as_str(), Some(&*redacted));
+    assert_eq!(results[2]["digest_before"].as_str(), Some(&*redacted));
     let requests = entries(&audit, "model_request");
     let seen: Vec<(&str, &str, bool)> = requests
         .iter()
@@ -120,5 +120,54 @@ async fn a_failed_hook_ends_the_record() {
     let results = entries(&audit, "tool_result");
     assert_eq!(results.len(), 2, "{audit}");
     assert_eq!((results[1]["hook"].as_str(), results[1]["outcome"].as_str()), (Some("b"), Some("status")));
-    assert!(results[1].get("sha256_after").is_none());
+    assert!(results[1].get("digest_after").is_none());
+}
+
+fn hmac_hex(key: &str, bytes: &[u8]) -> String {
+    let script = "import hmac, hashlib, sys; print(hmac.new(sys.argv[1].encode(), sys.stdin.buffer.read(), hashlib.sha256).hexdigest())";
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, key])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(bytes)?;
+            child.wait_with_output()
+        })
+        .expect("python3");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// With server.audit_key_env the digests are HMAC-SHA256 under that key:
+/// whoever holds the key can check a value; a reader of the record can't
+/// test guesses. The key never reaches a log.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_keyed_audit_record_uses_hmac() {
+    let secret = canary();
+    let key = "audit-key-3f9c21";
+    let tools = ToolServer::start(vec![ToolDef::new("t", &secret)]).await;
+    let (a, c) = (HookServer::start(Behaviour::default()).await, HookServer::start(Behaviour::default()).await);
+    let redact = Behaviour { on_result: OnResult::ReplaceText("[REDACTED]".into()), ..Default::default() };
+    let b = HookServer::start(redact).await;
+    let config = "[server]\naudit_key_env = \"LATTICE_TEST_AUDIT_KEY\"\n".to_owned()
+        + &chain(&cfg::tools(&tools.url, 2000), [&a, &b, &c]);
+    let lattice = Lattice::start_with_env(&config, &[("LATTICE_TEST_AUDIT_KEY", key)]).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.ok().text, "done: [REDACTED]");
+    assert_no_leak(&secret, &lattice, &out);
+    let audit = audit_of(&lattice.traces());
+    assert_eq!(audit["digest"], "hmac-sha256");
+    let results = entries(&audit, "tool_result");
+    let id = results[0]["subject"].as_str().unwrap();
+    let raw = apb::ToolResultBlock {
+        tool_use_id: id.into(),
+        content: vec![apb::TextBlock { text: secret.clone() }],
+        is_error: false,
+    };
+    let expected = hmac_hex(key, &raw.encode_to_vec());
+    assert_eq!(results[1]["digest_before"].as_str(), Some(&*expected));
+    assert_ne!(expected, result_hash(id, &secret), "not the plain SHA-256");
+    assert!(results[1]["changed"].as_bool().unwrap());
+    assert!(!logs().contains(key) && !lattice.traces().contains(key), "the key is never written");
 }
