@@ -371,3 +371,57 @@ pub fn identity(cert: &CertificateDer<'_>) -> Result<String, String> {
     let name = parsed.valid_uri_names().next().or_else(|| parsed.valid_dns_names().next());
     name.map(str::to_owned).ok_or_else(|| "the client certificate names no URI or DNS subject alternative name".into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_cert(dir: &Path, name: &str) -> (String, String) {
+        let cert = rcgen::generate_simple_self_signed(vec![name.to_owned()]).expect("a certificate");
+        let (pem, key) = (cert.cert.pem(), cert.signing_key.serialize_pem());
+        std::fs::write(dir.join("tls.crt"), &pem).unwrap();
+        std::fs::write(dir.join("tls.key"), &key).unwrap();
+        (pem, key)
+    }
+
+    fn settings(dir: &Path) -> TlsSettings {
+        TlsSettings { cert_file: dir.join("tls.crt"), key_file: dir.join("tls.key"), client_ca_file: None }
+    }
+
+    /// New files are in force within one reload period; files that don't
+    /// load leave the loaded ones in force.
+    #[tokio::test(start_paused = true)]
+    async fn files_are_reloaded_within_a_period_and_bad_ones_are_not() {
+        let dir = std::env::temp_dir().join(format!("lattice-tls-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_cert(&dir, "first.test");
+        let tls = ServerTls::watched(&settings(&dir)).unwrap();
+        let first = tls.current();
+        tokio::time::sleep(RELOAD_EVERY * 2).await;
+        assert!(Arc::ptr_eq(&first, &tls.current()), "unchanged files are not reloaded");
+
+        write_cert(&dir, "second.test");
+        tokio::time::sleep(RELOAD_EVERY + Duration::from_millis(1)).await;
+        let second = tls.current();
+        assert!(!Arc::ptr_eq(&first, &second), "new files are in force within a period");
+
+        std::fs::write(dir.join("tls.key"), "-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n")
+            .unwrap();
+        tokio::time::sleep(RELOAD_EVERY * 3).await;
+        assert!(Arc::ptr_eq(&second, &tls.current()), "a key that doesn't load keeps the previous one");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_client_certificate_names_its_uri_else_its_dns_san() {
+        let dns = rcgen::generate_simple_self_signed(vec!["batch.example".to_owned()]).unwrap();
+        assert_eq!(identity(dns.cert.der()).unwrap(), "batch.example");
+        let mut params = rcgen::CertificateParams::new(vec!["web.example".to_owned()]).unwrap();
+        params
+            .subject_alt_names
+            .insert(0, rcgen::SanType::URI("spiffe://cluster.local/ns/app/sa/web".try_into().unwrap()));
+        let key = rcgen::KeyPair::generate().unwrap();
+        let uri = params.self_signed(&key).unwrap();
+        assert_eq!(identity(uri.der()).unwrap(), "spiffe://cluster.local/ns/app/sa/web");
+    }
+}

@@ -343,3 +343,72 @@ fn sweep(dir: &Path, max_age: Duration) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tracer whose writer never takes anything off its queue (a disk
+    /// that blocks forever); the receiver is returned to keep it open.
+    fn stuck(queue: usize) -> (Tracer, mpsc::Receiver<Op>) {
+        let (tx, rx) = mpsc::sync_channel(queue);
+        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default() });
+        (Tracer { writer: Some(writer) }, rx)
+    }
+
+    fn scope() -> Scope {
+        Scope {
+            agent: "a".into(),
+            session_id: "s".into(),
+            query_id: "q".into(),
+            deadline: tokio::time::Instant::now() + Duration::from_secs(60),
+            audit: None,
+        }
+    }
+
+    /// A stuck writer costs the first query's end FLUSH_WAIT, and the
+    /// next ones nothing; events past the queue are dropped and counted,
+    /// each `emit` returning at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_stuck_writer_costs_one_flush_wait_and_then_nothing() {
+        let (tracer, _rx) = stuck(4);
+        let started = tokio::time::Instant::now();
+        for _ in 0..10 {
+            tracer.emit(&scope(), TraceEvent::Error { code: "OK", message: "m" }).await;
+        }
+        assert_eq!(started.elapsed(), Duration::ZERO, "emitting never waits");
+        assert_eq!(tracer.dropped().unwrap().load(Ordering::Relaxed), 6, "4 queued, 6 dropped");
+
+        let (tracer, _rx) = stuck(64);
+        let started = tokio::time::Instant::now();
+        tracer.flush().await;
+        assert_eq!(started.elapsed(), FLUSH_WAIT);
+        let again = tokio::time::Instant::now();
+        tracer.flush().await;
+        tracer.flush().await;
+        assert_eq!(again.elapsed(), Duration::ZERO, "a stalled writer is not waited for again");
+    }
+
+    /// A writer that works answers a flush once every line before it is
+    /// on disk, in order.
+    #[tokio::test]
+    async fn flush_returns_once_the_lines_are_written() {
+        let dir = std::env::temp_dir().join(format!("lattice-trace-unit-{}", std::process::id()));
+        let settings = TraceSettings {
+            dir: dir.clone(),
+            queue_events: 16,
+            max_file_bytes: 1 << 20,
+            max_age: Duration::from_secs(60),
+        };
+        let tracer = Tracer::start(settings).unwrap();
+        for code in ["one", "two", "three"] {
+            tracer.emit(&scope(), TraceEvent::Error { code, message: "m" }).await;
+        }
+        tracer.flush().await;
+        let text = std::fs::read_to_string(dir.join("s.jsonl")).unwrap();
+        let codes: Vec<&str> =
+            text.lines().map(|l| l.split("\"code\":\"").nth(1).unwrap().split('"').next().unwrap()).collect();
+        assert_eq!(codes, ["one", "two", "three"]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
