@@ -583,7 +583,7 @@ impl Runtime {
                 outcome = tracing::field::Empty,
                 result_bytes = tracing::field::Empty,
             );
-            calls.push(self.run_tool(agent, ctx, turn, i, u).instrument(span));
+            calls.push(self.run_tool(agent, ctx, turn, i, u, span.clone()).instrument(span));
         }
         let mut ordered = ordered::InOrder::new(calls, agent.def.parallel_tool_calls);
         let mut results = Vec::with_capacity(uses.len());
@@ -624,6 +624,7 @@ impl Runtime {
         turn: u32,
         index: usize,
         call: &ToolUse,
+        span: tracing::Span,
     ) -> Result<(usize, (ToolResult, CallOutcome, Duration)), AgentError> {
         use ToolErrorKind as K;
         let started = Instant::now();
@@ -676,7 +677,9 @@ impl Runtime {
         };
         check_deadline(ctx)?;
         agent.metrics.tool_call(&call.name, raw.outcome);
-        tracing::Span::current().record("outcome", outcome_name(raw.outcome));
+        // On the call's own span: `Span::current()` would be the query's
+        // when this one is off.
+        span.record("outcome", outcome_name(raw.outcome));
         let view = ToolCallView {
             tool_name: &call.name,
             tool_use_id: &call.id,
@@ -685,7 +688,7 @@ impl Runtime {
             source: raw.source,
         };
         let result = agent.hooks.on_tool_result(ctx.step(turn), &view, raw.result).await?;
-        tracing::Span::current().record("result_bytes", result.len() as u64);
+        span.record("result_bytes", result.len() as u64);
         Ok((index, (result, raw.outcome, started.elapsed())))
     }
 

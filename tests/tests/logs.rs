@@ -73,3 +73,22 @@ async fn json_log_fields_are_plain_and_a_hook_failure_says_where_and_why() {
     let cause = failed["fields"]["cause"].as_str().unwrap_or_default().to_lowercase();
     assert!(cause.contains("refused") || cause.contains("connect"), "{failed}");
 }
+
+/// A tool call's outcome is recorded on the tool call's own span: with
+/// that span off (telemetry off), it must not land on the query's span,
+/// whose `outcome` is the query's (set when it ends).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_outcome_is_not_recorded_on_the_query_span() {
+    let tools = lattice_tests::tool::ToolServer::start(vec![lattice_tests::tool::ToolDef::new("t", "v")]).await;
+    let config =
+        cfg::agent("x", "") + &cfg::turn("go", &["t"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::spawn(&config, &[("RUST_LOG", "info,lattice_server=debug")]).await;
+    assert_eq!(lattice.query("x", "go").await.ok().text, "done");
+    let log = lattice.process_logs();
+    let line = log.lines().find(|l| l.contains("\"tool result\"")).expect("the tool result's debug line");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["span"]["name"], "query", "{line}");
+    assert!(v["span"].get("outcome").is_none(), "the query has no outcome yet: {line}");
+    let done = log.lines().find(|l| l.contains("\"query succeeded\"")).unwrap();
+    assert!(done.contains("\"outcome\":\"OK\""), "{done}");
+}
