@@ -303,8 +303,14 @@ async fn audit(runtime: &Runtime, scope: &Scope, chain_version: &str, code: toni
     let outcome = status::code_name(code);
     let digest = audit.digest.algorithm();
     runtime.tracer().emit(scope, TraceEvent::Audit { chain_version, outcome, digest, hooks: &hooks }).await;
-    let record = serde_json::to_string(&hooks).unwrap_or_default();
-    info!(target: "lattice::audit", chain_version, outcome, digest, hook_calls = hooks.len(), hooks = %record, "query audit");
+    // The line carries a summary in plain fields; the whole record, with
+    // the digests, is the trace file's `audit` event.
+    let names = |keep: &dyn Fn(&crate::audit::AuditEntry) -> bool| {
+        hooks.iter().filter(|h| keep(h)).map(|h| format!("{}@{}", h.hook, h.subject)).collect::<Vec<_>>().join(" ")
+    };
+    let changed_by = names(&|h| h.changed);
+    let failed = names(&|h| h.outcome != "ok");
+    info!(target: "lattice::audit", chain_version, outcome, digest, hook_calls = hooks.len(), %changed_by, %failed, "query audit");
 }
 
 /// Session ids are made here (see [`crate::session::new_id`]; older ones
@@ -378,8 +384,8 @@ impl AgentService for AgentSvc {
             // logs its outcome in its span).
             info!(
                 principal = principal.as_deref().unwrap_or("-"),
-                agent = %status::echo(&agent),
-                session_id = continued.as_deref().map(status::echo).unwrap_or_default(),
+                agent = %status::log_value(&agent),
+                session_id = continued.as_deref().map(status::log_value).unwrap_or_default(),
                 code = crate::status::code_name(status.code()),
                 "query refused"
             );

@@ -48,6 +48,17 @@ pub fn code_name(code: Code) -> &'static str {
 /// The most characters of client input an error message repeats.
 const ECHO_CHARS: usize = 64;
 
+/// Client input for a log field: a plain value, control characters
+/// escaped (no line of its own in a text log), cut to [`ECHO_CHARS`]
+/// characters with a final "…".
+pub fn log_value(input: &str) -> String {
+    let mut out: String = input.chars().take(ECHO_CHARS).flat_map(char::escape_default).collect();
+    if input.chars().nth(ECHO_CHARS).is_some() {
+        out.push('…');
+    }
+    out
+}
+
 /// Client input for an error message: quoted, and cut to [`ECHO_CHARS`]
 /// characters (a status message rides in an HTTP/2 header, which clients
 /// refuse past a few kilobytes).
@@ -118,6 +129,14 @@ pub fn store_error(e: &StoreError) -> Status {
 mod tests {
     use super::*;
     use crate::hooks::HookEvent;
+
+    #[test]
+    fn logged_input_is_plain_escaped_and_bounded() {
+        assert_eq!(log_value("support"), "support");
+        assert_eq!(log_value("a\nb"), "a\\nb");
+        let long = log_value(&"x".repeat(500));
+        assert!(long.ends_with('…') && long.chars().count() == 65, "{long}");
+    }
 
     #[test]
     fn echoed_input_is_quoted_and_bounded() {

@@ -55,13 +55,17 @@ async fn json_log_fields_are_plain_and_a_hook_failure_says_where_and_why() {
     let lattice = Lattice::spawn(&config, &[("RUST_LOG", "info")]).await;
     let out = lattice.query("x", "go").await;
     assert_eq!(out.hook_failure()["kind"], "unavailable");
+    assert_eq!(lattice.query("no-such-agent", "go").await.code(), tonic::Code::NotFound);
     let log = lattice.process_logs();
+    let refused = log.lines().find(|l| l.contains("\"query refused\"")).expect("the refusal's audit line");
+    let refused: serde_json::Value = serde_json::from_str(refused).unwrap();
+    assert_eq!(refused["fields"]["agent"], "no-such-agent", "{refused}");
     let mut failed = None;
     for line in log.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
         for (key, value) in v["fields"].as_object().unwrap() {
             if let Some(s) = value.as_str() {
-                assert!(!s.starts_with("Some(") && !s.starts_with("[\""), "{key} = {s} in {line}");
+                assert!(!s.starts_with("Some(") && !s.starts_with('[') && !s.starts_with('"'), "{key} = {s} in {line}");
             }
         }
         if v["fields"]["message"] == "hook failed" {
