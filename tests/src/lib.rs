@@ -151,7 +151,20 @@ impl Lattice {
         Self::launch(config, &[], false).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
     }
 
+    /// Starts Lattice; an admin port another test took between our probe
+    /// and the bind (see [`free_addr`]) is retried with another.
     async fn launch(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::launch_once(config, env, serving).await {
+                Err(e) if attempt < 5 && e.contains("Address already in use") => continue,
+                other => return other,
+            }
+        }
+    }
+
+    async fn launch_once(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
         capture_logs();
         let trace_dir = temp_dir("trace");
         let admin = free_addr().await;
@@ -212,7 +225,25 @@ impl Lattice {
         Self::spawn_with(config, env, Some(tls)).await
     }
 
+    /// Spawns `lattice serve`; a port another test took between our probe
+    /// and the bind (see [`free_addr`]) is retried with others.
     async fn spawn_with(config: &str, env: &[(&str, &str)], tls: Option<tonic::transport::ClientTlsConfig>) -> Lattice {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::spawn_once(config, env, tls.clone()).await {
+                Ok(lattice) => return lattice,
+                Err(log) if attempt < 5 && log.contains("already in use") => continue,
+                Err(log) => panic!("lattice did not start:\n{log}"),
+            }
+        }
+    }
+
+    async fn spawn_once(
+        config: &str,
+        env: &[(&str, &str)],
+        tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> Result<Lattice, String> {
         let dir = temp_dir("proc");
         let trace_dir = dir.join("traces");
         let config_path = dir.join("lattice.toml");
@@ -233,7 +264,7 @@ impl Lattice {
             .spawn()
             .expect("the lattice binary");
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let lattice = Lattice {
+        let mut lattice = Lattice {
             url: format!("{scheme}://{addr}"),
             trace_dir,
             shutdown: None,
@@ -244,14 +275,13 @@ impl Lattice {
         };
         let deadline = Instant::now() + Duration::from_secs(15);
         while !lattice.healthy().await {
-            assert!(
-                Instant::now() < deadline,
-                "lattice did not start:\n{}",
-                std::fs::read_to_string(&log_path).unwrap_or_default()
-            );
+            let exited = lattice.process.as_mut().is_some_and(|(c, _)| c.0.try_wait().ok().flatten().is_some());
+            if exited || Instant::now() >= deadline {
+                return Err(std::fs::read_to_string(&log_path).unwrap_or_default());
+            }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        lattice
+        Ok(lattice)
     }
 
     /// A client of a Lattice at `url`, without waiting for anything.
