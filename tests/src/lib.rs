@@ -638,6 +638,28 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
     metrics.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
+/// What `program args…` prints (trimmed) for `input` on its stdin: the
+/// tests' independent check of a digest Lattice computed.
+pub fn piped(program: &str, args: &[&str], input: &[u8]) -> String {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            child.stdin.take().expect("a stdin pipe").write_all(input)?;
+            child.wait_with_output()
+        })
+        .unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(out.status.success(), "{program} failed");
+    String::from_utf8(out.stdout).expect("text").trim().to_owned()
+}
+
+/// SHA-256 of `bytes`, lowercase hex, by coreutils' `sha256sum`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    piped("sha256sum", &[], bytes).split_whitespace().next().unwrap_or_default().to_owned()
+}
+
 /// A unique canary secret.
 pub fn canary() -> String {
     format!("CANARY-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos() ^ rand_u64())

@@ -5,25 +5,11 @@ use lattice_proto::agent::v1 as apb;
 use lattice_tests::{
     Lattice, assert_no_leak, canary, cfg,
     hook::{Behaviour, HookServer, OnResult},
-    logs,
+    logs, sha256_hex,
     tool::{ToolDef, ToolServer},
 };
 use prost::Message as _;
 use serde_json::Value;
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().unwrap().write_all(bytes)?;
-            child.wait_with_output()
-        })
-        .expect("sha256sum");
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
-}
 
 /// The hash Lattice records for a tool result holding `text`.
 fn result_hash(tool_use_id: &str, text: &str) -> String {
@@ -33,6 +19,13 @@ fn result_hash(tool_use_id: &str, text: &str) -> String {
         is_error: false,
     };
     sha256_hex(&block.encode_to_vec())
+}
+
+/// HMAC-SHA256 of `bytes` under `key`, by Python's `hmac`.
+fn hmac_hex(key: &str, bytes: &[u8]) -> String {
+    let script = "import hmac, hashlib, sys; \
+                  print(hmac.new(sys.argv[1].encode(), sys.stdin.buffer.read(), hashlib.sha256).hexdigest())";
+    lattice_tests::piped("python3", &["-c", script, key], bytes)
 }
 
 /// The one audit event of the trace.
@@ -125,22 +118,6 @@ async fn a_failed_hook_ends_the_record() {
     assert_eq!(results.len(), 2, "{audit}");
     assert_eq!((results[1]["hook"].as_str(), results[1]["outcome"].as_str()), (Some("b"), Some("status")));
     assert!(results[1].get("digest_after").is_none());
-}
-
-fn hmac_hex(key: &str, bytes: &[u8]) -> String {
-    let script = "import hmac, hashlib, sys; print(hmac.new(sys.argv[1].encode(), sys.stdin.buffer.read(), hashlib.sha256).hexdigest())";
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, key])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().unwrap().write_all(bytes)?;
-            child.wait_with_output()
-        })
-        .expect("python3");
-    String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
 /// With server.audit_key_env the digests are HMAC-SHA256 under that key:

@@ -11,23 +11,9 @@ use lattice_tests::{
 };
 use tonic::Code;
 
-fn sha256_hex(token: &str) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().unwrap().write_all(token.as_bytes())?;
-            child.wait_with_output()
-        })
-        .expect("sha256sum");
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
-}
-
 /// A tokens file for `(principal, token)` pairs.
 fn tokens_file(path: &std::path::Path, tokens: &[(&str, &str)]) {
-    let text: String = tokens.iter().map(|(p, t)| format!("{p} {}\n", sha256_hex(t))).collect();
+    let text: String = tokens.iter().map(|(p, t)| format!("{p} {}\n", lattice_tests::sha256_hex(t.as_bytes()))).collect();
     std::fs::write(path, format!("# principal sha256\n{text}")).unwrap();
 }
 

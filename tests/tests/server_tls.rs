@@ -295,8 +295,7 @@ async fn grpcurl_sends_a_bearer_token_over_tls() {
     let server = ca.issue("localhost");
     let dir = temp_dir("tls-bearer");
     let tokens = dir.join("tokens.txt");
-    // sha256("tls-token-1")
-    let digest = ring_sha256_hex("tls-token-1");
+    let digest = lattice_tests::sha256_hex(b"tls-token-1");
     std::fs::write(&tokens, format!("alice {digest}\n")).unwrap();
     let config = server_tls(&server, None)
         + &format!("[server.auth]\nmode = \"token\"\ntokens_file = {:?}\n", tokens.display().to_string())
@@ -317,20 +316,6 @@ async fn grpcurl_sends_a_bearer_token_over_tls() {
     assert!(text.contains("you said: hi"), "{text}");
     assert!(grpcurl(None).contains("Code: Unauthenticated"));
     assert!(!lattice.process_logs().contains("tls-token-1"), "no token in the logs");
-}
-
-fn ring_sha256_hex(text: &str) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().unwrap().write_all(text.as_bytes())?;
-            child.wait_with_output()
-        })
-        .expect("sha256sum");
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
 }
 
 /// `[server.tls]` mistakes are named at start-up, with the file and what
