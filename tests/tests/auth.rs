@@ -13,7 +13,8 @@ use tonic::Code;
 
 /// A tokens file for `(principal, token)` pairs.
 fn tokens_file(path: &std::path::Path, tokens: &[(&str, &str)]) {
-    let text: String = tokens.iter().map(|(p, t)| format!("{p} {}\n", lattice_tests::sha256_hex(t.as_bytes()))).collect();
+    let text: String =
+        tokens.iter().map(|(p, t)| format!("{p} {}\n", lattice_tests::sha256_hex(t.as_bytes()))).collect();
     std::fs::write(path, format!("# principal sha256\n{text}")).unwrap();
 }
 
