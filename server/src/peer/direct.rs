@@ -3,11 +3,13 @@
 //!
 //! A call opens its stream, queues its headers and its whole body (one
 //! message, already encoded) and reads the response on the task that made
-//! it; only the connection's own task touches the socket, and it writes the
-//! headers and the body together. No task is spawned and no channel is
-//! crossed per call (a hyper client connection hands each request to the
-//! connection task over a channel, spawns a task for its response and
-//! writes the body separately; tonic's `Channel` adds a buffer task).
+//! it; only the connection's own task touches the socket, and it writes
+//! everything queued since it last ran in one write (see [`super::cork`]):
+//! the calls of concurrent queries to one service share their writes. No
+//! task is spawned and no channel is crossed per call (a hyper client
+//! connection hands each request to the connection task over a channel,
+//! spawns a task for its response and writes the body separately; tonic's
+//! `Channel` adds a buffer task).
 //!
 //! The connection is made on the first call and made again once it has
 //! closed (the name is resolved at each connect, so behind a ClusterIP
@@ -104,11 +106,12 @@ impl Direct {
                 return Err(not_connected(e.into()));
             }
         };
+        let (io, drain) = super::cork::cork(stream);
         let (sender, mut connection) = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
             .enable_push(false)
-            .handshake::<_, Bytes>(stream)
+            .handshake::<_, Bytes>(io)
             .await
             .map_err(|e| not_connected(e.into()))?;
         let mut ping = connection.ping_pong();
@@ -127,8 +130,14 @@ impl Direct {
                     }
                 }
             };
+            // What each poll of the connection wrote leaves in one write.
+            let run = std::future::poll_fn(|cx| {
+                let polled = Pin::new(&mut connection).poll(cx);
+                drain.poll(cx);
+                polled
+            });
             tokio::select! {
-                _ = &mut connection => {}
+                _ = run => {}
                 () = keepalive => {}
             }
             ended_by_task.store(true, Ordering::Release);

@@ -21,6 +21,7 @@
 //! its deadline (see [`call`]); any other failure is the call's result.
 
 mod call;
+mod cork;
 mod direct;
 mod pool;
 mod tls;
@@ -33,6 +34,7 @@ use std::{
 
 pub(crate) use call::Probe;
 pub use call::{CallDeadline, ProbedBody};
+pub(crate) use codec::unary;
 pub use pool::HEALTH_CONNECT_TIMEOUT;
 use pool::{Calls, Pool};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
