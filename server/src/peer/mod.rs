@@ -21,6 +21,7 @@
 //! its deadline (see [`call`]); any other failure is the call's result.
 
 mod call;
+mod codec;
 mod cork;
 mod direct;
 mod pool;
