@@ -56,7 +56,10 @@ pub fn init_with(format: Format, tracer: Option<opentelemetry_sdk::trace::Tracer
     }
     let opted_in = std::env::var(TRANSPORT_OPT_IN).is_ok_and(|v| v == "1");
     let otel = tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t));
-    let _ = subscriber(format, levels, opted_in, std::io::stderr).with(otel).try_init();
+    // Colours only where a person reads them: a log file or a container's
+    // log would get escape codes in every line.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = subscriber(format, levels, opted_in, ansi, std::io::stderr).with(otel).try_init();
     if opted_in {
         tracing::warn!("{TRANSPORT_OPT_IN}=1: transport crates may log bytes received from peers");
     }
@@ -73,13 +76,14 @@ fn subscriber<W>(
     format: Format,
     levels: EnvFilter,
     opted_in: bool,
+    ansi: bool,
     writer: W,
 ) -> impl tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a> + Send + Sync
 where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
     let transport = filter::filter_fn(move |m: &Metadata<'_>| opted_in || !from_transport(m.target()));
-    let layer = tracing_subscriber::fmt::layer().with_writer(writer);
+    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer);
     let layer = match format {
         Format::Text => layer.boxed(),
         Format::Json => layer.json().boxed(),
@@ -106,7 +110,7 @@ mod tests {
         let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
         let sink = lines.clone();
         let writer = move || Sink(sink.clone());
-        let s = subscriber(Format::Text, EnvFilter::new("info"), false, writer);
+        let s = subscriber(Format::Text, EnvFilter::new("info"), false, false, writer);
         tracing::subscriber::with_default(s, || {
             // What `Tracer::emit` asks before it serializes anything.
             assert!(!tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG));
@@ -121,7 +125,7 @@ mod tests {
 
         // No level lets the transport crates through without the opt-in.
         let sink = lines.clone();
-        let s = subscriber(Format::Text, EnvFilter::new("trace"), false, move || Sink(sink.clone()));
+        let s = subscriber(Format::Text, EnvFilter::new("trace"), false, false, move || Sink(sink.clone()));
         tracing::subscriber::with_default(s, || {
             assert!(!tracing::enabled!(target: "h2::proto", tracing::Level::TRACE));
             tracing::trace!(target: "hyper::proto", "frame bytes");
@@ -130,6 +134,24 @@ mod tests {
         let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
         assert!(text.contains("ours at trace"), "{text}");
         assert!(!text.contains("frame bytes"), "{text}");
+    }
+
+    /// Text lines written anywhere but a terminal carry no colour codes
+    /// (they are read from files and container logs), and do on one.
+    #[test]
+    fn text_lines_are_coloured_only_for_a_terminal() {
+        let lines = |ansi| {
+            let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+            let sink = lines.clone();
+            let s = subscriber(Format::Text, EnvFilter::new("info"), false, ansi, move || Sink(sink.clone()));
+            tracing::subscriber::with_default(s, || tracing::info!(elapsed_ms = 3, "hook answered"));
+            let text = lines.lock().unwrap().clone();
+            String::from_utf8(text).unwrap()
+        };
+        let plain = lines(false);
+        assert!(plain.contains("hook answered"), "{plain}");
+        assert!(!plain.contains('\u{1b}'), "{plain:?}");
+        assert!(lines(true).contains('\u{1b}'));
     }
 
     struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
