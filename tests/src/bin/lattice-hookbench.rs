@@ -14,7 +14,8 @@
 //!   Lattice's CPU (`/proc/PID/stat`) per hook call.
 //!
 //! Then throughput with 3 hooks at 1, 8 and 64 clients against the bare-RPC
-//! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query),
+//! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query;
+//! the two measured in alternating half-second slices),
 //! and payloads of 1 KiB to 16 MiB through 3 hooks against three bare
 //! echoes of the same payload, with Lattice's peak RSS (`VmHWM`) and its
 //! RSS after the large queries (their sessions deleted, so what stays is
@@ -241,8 +242,9 @@ fn loadavg() -> String {
         .join(" ")
 }
 
-/// Runs `task` from `clients` concurrent clients for `secs`; items per second.
-async fn throughput<F, Fut>(clients: usize, secs: f64, task: F) -> f64
+/// Runs `task` from `clients` concurrent clients for `secs`: how many
+/// items were done, and in how many seconds.
+async fn throughput<F, Fut>(clients: usize, secs: f64, task: F) -> (f64, f64)
 where
     F: Fn(usize) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send,
@@ -266,7 +268,7 @@ where
     for h in handles {
         total += h.await.unwrap();
     }
-    total as f64 / started.elapsed().as_secs_f64()
+    (total as f64, started.elapsed().as_secs_f64())
 }
 
 #[tokio::main]
@@ -464,25 +466,35 @@ async fn main() {
         println!("throughput, 3 hooks (4 RPCs a query: 3 hooks + 1 tool), 1 KiB:");
         let three = rows.iter().find(|r| r.1 == 3).map(|r| r.2.1.clone()).unwrap();
         let hook0 = bare[0].clone();
+        // Bare and Lattice take turns in half-second slices, so that both
+        // see the same machine (a shared host's speed drifts over seconds).
+        let slices = (secs / 0.5).ceil().max(1.0) as usize;
+        let slice = secs / slices as f64;
         for clients in [1usize, 8, 64] {
-            let h = hook0.clone();
-            let req = request.clone();
-            let rps = throughput(clients, secs, move |_| {
-                let mut h = h.clone();
-                let req = req.clone();
-                async move {
-                    h.on_tool_result(req).await.unwrap();
-                }
-            })
-            .await;
-            let c = three.clone();
-            let qps = throughput(clients, secs, move |_| {
-                let mut c = c.clone();
-                async move {
-                    query(&mut c, "x").await;
-                }
-            })
-            .await;
+            let (mut rpcs, mut rpc_secs, mut queries, mut query_secs) = (0.0, 0.0, 0.0, 0.0);
+            for _ in 0..slices {
+                let h = hook0.clone();
+                let req = request.clone();
+                let (n, took) = throughput(clients, slice, move |_| {
+                    let mut h = h.clone();
+                    let req = req.clone();
+                    async move {
+                        h.on_tool_result(req).await.unwrap();
+                    }
+                })
+                .await;
+                (rpcs, rpc_secs) = (rpcs + n, rpc_secs + took);
+                let c = three.clone();
+                let (n, took) = throughput(clients, slice, move |_| {
+                    let mut c = c.clone();
+                    async move {
+                        query(&mut c, "x").await;
+                    }
+                })
+                .await;
+                (queries, query_secs) = (queries + n, query_secs + took);
+            }
+            let (rps, qps) = (rpcs / rpc_secs, queries / query_secs);
             let ceiling = rps / 4.0;
             println!(
                 "  {clients:>3} clients: bare {rps:>7.0} RPC/s → ceiling {ceiling:>6.0} queries/s; Lattice {qps:>6.0} queries/s = {:.0} % of it",
