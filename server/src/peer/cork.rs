@@ -12,7 +12,7 @@
 //!
 //! Large writes are not copied: from [`PASS_THROUGH`] bytes on, what is
 //! gathered is written first and the large write goes to the socket as it
-//! is. Nothing waits longer than the poll that wrote it: [`Drain::poll`]
+//! is, so a large message costs no more memory than before. Nothing waits longer than the poll that wrote it: [`Drain::poll`]
 //! runs right after each poll of the connection, and at most
 //! [`GATHER_LIMIT`] bytes are held before they are written anyway.
 
@@ -32,12 +32,14 @@ use tokio::{
 };
 
 /// Writes of at least this many bytes are not copied into the gathered
-/// bytes: copying them would cost more than the write it saves.
-pub(crate) const PASS_THROUGH: usize = 64 * 1024;
+/// bytes: a large message's DATA frames (16 KiB, HTTP/2's default frame
+/// size) go out as h2 wrote them, without a copy and without a buffer of
+/// their size held per connection.
+pub(crate) const PASS_THROUGH: usize = 16 * 1024;
 
 /// The most bytes gathered before they are written without waiting for the
-/// end of the poll.
-pub(crate) const GATHER_LIMIT: usize = 256 * 1024;
+/// end of the poll (and the most a connection's buffer keeps between polls).
+pub(crate) const GATHER_LIMIT: usize = 64 * 1024;
 
 /// The IO handed to h2: reads go to the socket, writes are gathered.
 #[derive(Debug)]
