@@ -1,5 +1,6 @@
 //! The codec of every Lattice service: prost's, except that a **request**
-//! that does not decode is the caller's error.
+//! that does not decode is the caller's error, and buffers are sized to
+//! the message.
 //!
 //! tonic's prost codec answers any message that does not decode with
 //! INTERNAL, as if the server had failed. A request that isn't a valid
@@ -9,15 +10,34 @@
 //! Which messages are requests is said here, per type: the list must name
 //! every message a service of the contract receives or returns, or the
 //! generated code does not compile.
+//!
+//! tonic's prost codec allocates 8 KiB for every call's outgoing and
+//! incoming messages before it knows their sizes; on a loopback hook call
+//! those were the call's largest allocations, and glibc serves blocks of
+//! that size from its slow, sorted bins. Here a message reserves exactly
+//! its encoded size, and a buffer for incoming messages starts empty and
+//! takes the size of the frames that arrive. The wire format is the same.
 
 use std::marker::PhantomData;
 
 use prost::Message;
 use tonic::{
     Status,
-    codec::{BufferSettings, Codec, DecodeBuf, Decoder},
+    codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
 };
-use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+use tonic_prost::{ProstCodec, ProstDecoder};
+
+/// What tonic allocates up front for a call's messages: nothing (see the
+/// module docs).
+const UP_FRONT: usize = 0;
+
+/// tonic's default: a stream of messages yields to the runtime after this
+/// many encoded bytes.
+const YIELD_THRESHOLD: usize = 32 * 1024;
+
+fn buffer_settings() -> BufferSettings {
+    BufferSettings::new(UP_FRONT, YIELD_THRESHOLD)
+}
 
 /// A message of the contract that a service receives or returns.
 pub trait Payload {
@@ -44,15 +64,34 @@ where
 {
     type Encode = T;
     type Decode = U;
-    type Encoder = ProstEncoder<T>;
+    type Encoder = SizedEncoder<T>;
     type Decoder = PayloadDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        ProstCodec::<T, U>::raw_encoder(BufferSettings::default())
+        SizedEncoder(PhantomData)
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        PayloadDecoder(ProstCodec::<T, U>::raw_decoder(BufferSettings::default()))
+        PayloadDecoder(ProstCodec::<T, U>::raw_decoder(buffer_settings()))
+    }
+}
+
+/// prost's encoding, into a buffer grown once, to the message's size.
+#[derive(Debug)]
+pub struct SizedEncoder<T>(PhantomData<fn(T)>);
+
+impl<T: Message> Encoder for SizedEncoder<T> {
+    type Item = T;
+    type Error = Status;
+
+    fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        buf.reserve(item.encoded_len());
+        item.encode_raw(buf);
+        Ok(())
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        buffer_settings()
     }
 }
 

@@ -241,19 +241,13 @@ struct Hook {
     endpoint: String,
     events: HookEvents,
     deadline: Duration,
-    /// Calls through `peer`, with Lattice's message limits (see
-    /// [`crate::peer::unary`]).
-    grpc: tonic::client::Grpc<Peer>,
+    client: pb::hook_service_client::HookServiceClient<Peer>,
     peer: Peer,
     /// Whether Lattice is ready only while this hook has a ready address.
     required: bool,
     /// Its calls' metrics, per event ([`HookEvent::index`]), made once.
     metrics: [Arc<CallMetric>; 2],
 }
-
-/// The contract's two RPCs (`lattice.hooks.v1.HookService`).
-const ON_TOOL_RESULT: &str = "/lattice.hooks.v1.HookService/OnToolResult";
-const ON_MODEL_REQUEST: &str = "/lattice.hooks.v1.HookService/OnModelRequest";
 
 /// The outcomes a hook call's metric counts.
 const OUTCOMES: &[&str] =
@@ -310,7 +304,7 @@ impl HookChain {
                     metrics.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels, OUTCOMES)
                 });
                 Hook {
-                    grpc: tonic::client::Grpc::new(peer.clone())
+                    client: pb::hook_service_client::HookServiceClient::new(peer.clone())
                         .max_decoding_message_size(max_message_bytes)
                         .max_encoding_message_size(max_message_bytes),
                     name: d.name,
@@ -443,8 +437,8 @@ impl HookChain {
                 error: call.error.as_ref().map(Into::into),
                 source: Some((&call.source).into()),
             };
-            let mut grpc = hook.grpc.clone();
-            let send = |req| async move { crate::peer::unary(&mut grpc, ON_TOOL_RESULT, req).await };
+            let mut client = hook.client.clone();
+            let send = |req| async move { client.on_tool_result(req).await };
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
                 Some(r) if r.tool_use_id != call.tool_use_id => {
@@ -533,8 +527,8 @@ impl HookChain {
                 tools: tools.clone(),
                 omitted_messages: omitted as u32,
             };
-            let mut grpc = hook.grpc.clone();
-            let send = |req| async move { crate::peer::unary(&mut grpc, ON_MODEL_REQUEST, req).await };
+            let mut client = hook.client.clone();
+            let send = |req| async move { client.on_model_request(req).await };
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
             let event = HookEvent::ModelRequest;

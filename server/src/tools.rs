@@ -27,9 +27,8 @@ pub enum Binding {
         endpoint: String,
         /// The call's deadline.
         deadline: Duration,
-        /// Calls through `peer` with the tool message limits (a cheap
-        /// clone; every clone shares the connections).
-        client: tonic::client::Grpc<Peer>,
+        /// The client (a cheap clone; every clone shares the connections).
+        client: pb::tool_service_client::ToolServiceClient<Peer>,
         /// The service's addresses and their readiness.
         peer: Peer,
         /// Whether calls use TLS.
@@ -193,16 +192,12 @@ impl AgentTools {
                         endpoint: source.endpoint.clone(),
                         reason,
                     })?;
-            let client = tonic::client::Grpc::new(peer.clone())
+            let client = pb::tool_service_client::ToolServiceClient::new(peer.clone())
                 .max_decoding_message_size(settings.tool_max_message_bytes)
                 .max_encoding_message_size(settings.tool_max_message_bytes);
             let specs = match &source.declared {
                 Some(declared) => declared.clone(),
-                None => {
-                    let lister = pb::tool_service_client::ToolServiceClient::new(peer.clone())
-                        .max_decoding_message_size(settings.tool_max_message_bytes);
-                    discover(&def.name, &source.endpoint, lister, settings.tool_discovery_timeout).await?
-                }
+                None => discover(&def.name, &source.endpoint, client.clone(), settings.tool_discovery_timeout).await?,
             };
             if let Some(name) = source.only.iter().flatten().find(|n| !specs.iter().any(|s| &s.name == *n)) {
                 return Err(ToolSetupError::Missing {
@@ -285,14 +280,11 @@ async fn discover(
     }
 }
 
-/// The contract's CallTool RPC (`lattice.tools.v1.ToolService`).
-const CALL_TOOL: &str = "/lattice.tools.v1.ToolService/CallTool";
-
 /// Calls a remote tool within `deadline`. Never fails: every failure is an
 /// error result for the model. Dropping the future cancels the RPC (the
 /// HTTP/2 stream is reset, which the tool service observes).
 pub async fn call_remote(
-    client: &tonic::client::Grpc<Peer>,
+    client: &pb::tool_service_client::ToolServiceClient<Peer>,
     peer: &Peer,
     endpoint: &str,
     call: &ToolUse,
@@ -325,8 +317,7 @@ pub async fn call_remote(
     request.extensions_mut().insert(CallDeadline(deadline));
     crate::telemetry::inject(&tracing::Span::current(), request.metadata_mut());
     let mut client = client.clone();
-    let call_tool = crate::peer::unary::<_, pb::CallToolResponse>(&mut client, CALL_TOOL, request);
-    match tokio::time::timeout_at(deadline, call_tool).await {
+    match tokio::time::timeout_at(deadline, client.call_tool(request)).await {
         Err(_) => failed(K::Deadline, format!("tool {:?} did not answer within {} ms", call.name, budget.as_millis())),
         Ok(Err(status))
             if status.code() == tonic::Code::Cancelled && Instant::now() + Duration::from_millis(5) >= deadline =>

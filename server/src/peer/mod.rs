@@ -21,7 +21,6 @@
 //! its deadline (see [`call`]); any other failure is the call's result.
 
 mod call;
-mod codec;
 mod cork;
 mod direct;
 mod pool;
@@ -35,7 +34,6 @@ use std::{
 
 pub(crate) use call::Probe;
 pub use call::{CallDeadline, ProbedBody};
-pub(crate) use codec::unary;
 pub use pool::HEALTH_CONNECT_TIMEOUT;
 use pool::{Calls, Pool};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
