@@ -28,6 +28,7 @@ pub mod auth;
 pub mod client;
 pub mod config;
 pub mod convert;
+mod cork;
 pub mod domain;
 pub mod dryrun;
 pub mod events;
@@ -204,9 +205,15 @@ pub async fn run(
     }
     let router = grpc.routes().into_axum_router();
     let server = tonic::transport::Server::builder().add_routes(router.into());
+    // The events of concurrent queries on one client connection share
+    // their writes (see `cork`).
+    use tokio_stream::StreamExt as _;
+    fn gathered<T>(accepted: std::io::Result<T>) -> std::io::Result<cork::Gathered<T>> {
+        accepted.map(cork::Gathered::new)
+    }
     let served = match tls {
-        Some(tls) => server.serve_with_incoming_shutdown(tls.incoming(listener), shutdown).await,
-        None => server.serve_with_incoming_shutdown(incoming(listener), shutdown).await,
+        Some(tls) => server.serve_with_incoming_shutdown(tls.incoming(listener).map(gathered), shutdown).await,
+        None => server.serve_with_incoming_shutdown(incoming(listener).map(gathered), shutdown).await,
     };
     stopped.cancel();
     served?;

@@ -4,7 +4,7 @@
 //! A call opens its stream, queues its headers and its whole body (one
 //! message, already encoded) and reads the response on the task that made
 //! it; only the connection's own task touches the socket, and it writes
-//! everything queued since it last ran in one write (see [`super::cork`]):
+//! everything queued since it last ran in one write (see [`crate::cork`]):
 //! the calls of concurrent queries to one service share their writes. No
 //! task is spawned and no channel is crossed per call (a hyper client
 //! connection hands each request to the connection task over a channel,
@@ -106,7 +106,7 @@ impl Direct {
                 return Err(not_connected(e.into()));
             }
         };
-        let (io, drain) = super::cork::cork(stream);
+        let (io, drain) = crate::cork::cork(stream);
         let (sender, mut connection) = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)

@@ -21,7 +21,6 @@
 //! its deadline (see [`call`]); any other failure is the call's result.
 
 mod call;
-mod cork;
 mod direct;
 mod pool;
 mod tls;

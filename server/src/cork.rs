@@ -1,0 +1,430 @@
+//! Connections whose writes are gathered: what HTTP/2 writes during one
+//! poll of a connection's task is sent in one write.
+//!
+//! h2 writes each DATA frame of more than 256 bytes on its own (it chains
+//! the payload rather than copy it, and flushes before the next frame), so
+//! a connection carrying many concurrent calls made one `writev` per call:
+//! on loopback each costs the kernel's whole send and receive path, about
+//! a fifth of Lattice's CPU under load. Gathered, the messages that tasks
+//! queued while the connection's task waited to run leave in one write, and
+//! the other side reads them in one too.
+//!
+//! Two ways to know when to write, one per side:
+//! - **hook and tool connections** ([`cork`]): Lattice runs the
+//!   connection's task, so it writes what each poll gathered right after
+//!   that poll ([`Drain::poll`]);
+//! - **the API listener's connections** ([`Gathered`]): tonic runs them, so
+//!   the first flush of what was gathered wakes the task and returns, and
+//!   the bytes are written on the task's next poll (which h2 starts with a
+//!   read). Nothing waits longer than one turn of the runtime's queue,
+//!   which is what lets the events of concurrent queries share writes.
+//!
+//! Large writes are not copied: from [`PASS_THROUGH`] bytes on, what is
+//! gathered is written first and the large write goes to the socket as it
+//! is, so a large message costs no more memory than before; at most
+//! [`GATHER_LIMIT`] bytes are held before they are written anyway.
+
+use std::{
+    io::{self, IoSlice},
+    pin::Pin,
+    sync::{Arc, Mutex, MutexGuard},
+    task::{Context, Poll, ready},
+};
+
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{
+        TcpStream,
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+    },
+};
+
+/// Writes of at least this many bytes are not copied into the gathered
+/// bytes: a large message's DATA frames (16 KiB, HTTP/2's default frame
+/// size) go out as h2 wrote them, without a copy and without a buffer of
+/// their size held per connection.
+pub(crate) const PASS_THROUGH: usize = 16 * 1024;
+
+/// The most bytes gathered before they are written without waiting (and
+/// the most a connection's buffer keeps between writes).
+pub(crate) const GATHER_LIMIT: usize = 64 * 1024;
+
+/// Bytes waiting to be written, and a write of them that failed.
+#[derive(Debug, Default)]
+struct Buffer {
+    bytes: Vec<u8>,
+    /// A write of the gathered bytes failed outside a write call (the
+    /// drain): the next write reports it, so that h2 fails the connection's
+    /// calls as for any broken socket.
+    failed: Option<io::ErrorKind>,
+}
+
+impl Buffer {
+    fn check(&self) -> io::Result<()> {
+        match self.failed {
+            Some(kind) => Err(kind.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes the gathered bytes to `w`; pending while the socket is full
+    /// (the task is woken when it can take more).
+    fn poll_drain<W: AsyncWrite + Unpin>(&mut self, w: &mut W, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.bytes.is_empty() {
+            let n = ready!(Pin::new(&mut *w).poll_write(cx, &self.bytes))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            if n == self.bytes.len() {
+                self.bytes.clear();
+            } else {
+                self.bytes.drain(..n);
+            }
+        }
+        // A burst of large writes leaves no large buffer behind.
+        if self.bytes.capacity() > GATHER_LIMIT {
+            self.bytes = Vec::new();
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Gathers `bufs`, or writes them through to `w` after what was
+    /// gathered when they are large (see the module docs).
+    fn poll_write<W: AsyncWrite + Unpin>(
+        &mut self,
+        w: &mut W,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.check()?;
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total >= PASS_THROUGH || self.bytes.len() + total > GATHER_LIMIT {
+            // What came first goes first.
+            ready!(self.poll_drain(w, cx))?;
+        }
+        if total >= PASS_THROUGH {
+            return Pin::new(w).poll_write_vectored(cx, bufs);
+        }
+        for b in bufs {
+            self.bytes.extend_from_slice(b);
+        }
+        Poll::Ready(Ok(total))
+    }
+
+    fn poll_shutdown<W: AsyncWrite + Unpin>(&mut self, w: &mut W, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.check()?;
+        ready!(self.poll_drain(w, cx))?;
+        Pin::new(w).poll_shutdown(cx)
+    }
+}
+
+/// The IO handed to h2 for a hook or tool connection: reads go to the
+/// socket, writes are gathered until [`Drain::poll`].
+#[derive(Debug)]
+pub(crate) struct Corked {
+    read: OwnedReadHalf,
+    out: Arc<Mutex<Out>>,
+}
+
+/// Writes what a [`Corked`] gathered; polled by the connection's task after
+/// each poll of the connection.
+#[derive(Debug)]
+pub(crate) struct Drain {
+    out: Arc<Mutex<Out>>,
+}
+
+/// The write half and what waits to be written on it.
+#[derive(Debug)]
+struct Out {
+    half: OwnedWriteHalf,
+    buffer: Buffer,
+}
+
+/// Splits `stream` into the IO for h2 and its drain.
+pub(crate) fn cork(stream: TcpStream) -> (Corked, Drain) {
+    let (read, half) = stream.into_split();
+    let out = Arc::new(Mutex::new(Out { half, buffer: Buffer::default() }));
+    (Corked { read, out: out.clone() }, Drain { out })
+}
+
+/// Only the connection's task takes the lock (h2 writes, then the drain),
+/// so it is never contended; nothing can panic while it is held, and a
+/// poisoned lock still holds consistent bytes.
+fn lock(out: &Mutex<Out>) -> MutexGuard<'_, Out> {
+    out.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Drain {
+    /// Writes what the last poll of the connection gathered. A failure is
+    /// kept for the connection's next write, and the task is polled again
+    /// so that it finds it.
+    pub(crate) fn poll(&self, cx: &mut Context<'_>) {
+        let out = &mut *lock(&self.out);
+        if out.buffer.failed.is_some() {
+            return;
+        }
+        if let Poll::Ready(Err(e)) = out.buffer.poll_drain(&mut out.half, cx) {
+            out.buffer = Buffer { bytes: Vec::new(), failed: Some(e.kind()) };
+            cx.waker().wake_by_ref();
+        }
+    }
+}
+
+impl AsyncRead for Corked {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.read).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Corked {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let out = &mut *lock(&self.out);
+        out.buffer.poll_write(&mut out.half, cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    /// Nothing to do here: the gathered bytes are written at the end of
+    /// the poll ([`Drain::poll`]), which is what this would have done.
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        lock(&self.out).buffer.check().into()
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let out = &mut *lock(&self.out);
+        out.buffer.poll_shutdown(&mut out.half, cx)
+    }
+}
+
+/// A connection of the API listener (plaintext or TLS) whose writes are
+/// gathered and written on the next poll of its task (see the module
+/// docs). Its connect info is its inner stream's, so a TLS client's
+/// certificate still reaches the request.
+#[derive(Debug)]
+pub(crate) struct Gathered<T> {
+    io: T,
+    buffer: Buffer,
+    /// A flush found gathered bytes, woke the task and left them.
+    waiting: bool,
+    /// The task has been polled again since (h2 starts each poll of its
+    /// connection with a read): the next flush writes.
+    due: bool,
+}
+
+impl<T> Gathered<T> {
+    /// Gathers the writes on `io`.
+    pub(crate) fn new(io: T) -> Self {
+        Self { io, buffer: Buffer::default(), waiting: false, due: false }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Gathered<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        this.due |= this.waiting;
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Gathered<T> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        this.buffer.poll_write(&mut this.io, cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if !this.buffer.bytes.is_empty() && !this.due {
+            // Written on the next poll: what other tasks queue until then
+            // goes in the same write.
+            if !this.waiting {
+                this.waiting = true;
+                cx.waker().wake_by_ref();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        ready!(this.buffer.poll_drain(&mut this.io, cx))?;
+        (this.waiting, this.due) = (false, false);
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        this.buffer.poll_shutdown(&mut this.io, cx)
+    }
+}
+
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Gathered<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{future::poll_fn, time::Duration};
+
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::TcpListener,
+    };
+
+    use super::*;
+
+    async fn pair() -> (Corked, Drain, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (io, drain) = cork(client.unwrap());
+        (io, drain, accepted.unwrap().0)
+    }
+
+    /// Reads what has arrived within a short wait (the writes under test are
+    /// on loopback: what was written is there by then).
+    async fn arrived(peer: &mut TcpStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut chunk = vec![0; 1 << 20];
+        while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(50), peer.read(&mut chunk)).await {
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&chunk[..n]);
+        }
+        got
+    }
+
+    /// Small writes wait for the drain, and then all of them arrive in order.
+    #[tokio::test]
+    async fn small_writes_leave_at_the_drain_in_order() {
+        let (mut io, drain, mut peer) = pair().await;
+        for i in 0..10u8 {
+            io.write_all(&[i; 300]).await.unwrap();
+        }
+        io.flush().await.unwrap();
+        assert!(arrived(&mut peer).await.is_empty(), "nothing is written before the drain");
+        poll_fn(|cx| {
+            drain.poll(cx);
+            Poll::Ready(())
+        })
+        .await;
+        let got = arrived(&mut peer).await;
+        let expected: Vec<u8> = (0..10u8).flat_map(|i| [i; 300]).collect();
+        assert_eq!(got, expected);
+    }
+
+    /// A large write is not held: it follows what was gathered before it.
+    #[tokio::test]
+    async fn a_large_write_goes_out_after_what_came_before_it() {
+        let (mut io, _drain, mut peer) = pair().await;
+        io.write_all(b"first").await.unwrap();
+        let large = vec![7u8; PASS_THROUGH];
+        io.write_all(&large).await.unwrap();
+        let got = arrived(&mut peer).await;
+        assert_eq!(&got[..5], b"first");
+        assert_eq!(got.len(), 5 + PASS_THROUGH);
+    }
+
+    /// Gathering stops at the limit: the bytes go out without a drain.
+    #[tokio::test]
+    async fn gathered_bytes_beyond_the_limit_are_written() {
+        let (mut io, _drain, mut peer) = pair().await;
+        let chunk = vec![1u8; 1000];
+        let mut written = 0;
+        while written <= GATHER_LIMIT {
+            io.write_all(&chunk).await.unwrap();
+            written += chunk.len();
+        }
+        assert!(arrived(&mut peer).await.len() >= GATHER_LIMIT - chunk.len());
+    }
+
+    /// Shutting the connection down writes what was gathered first.
+    #[tokio::test]
+    async fn shutdown_drains_first() {
+        let (mut io, _drain, mut peer) = pair().await;
+        io.write_all(b"goodbye").await.unwrap();
+        io.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"goodbye");
+    }
+
+    /// Counts how often it was woken.
+    struct Wakes(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// On a listener connection, a flush of small writes wakes the task and
+    /// leaves them; they are written by the first flush after the task's
+    /// next poll has begun (with a read), together with what came since.
+    #[tokio::test]
+    async fn listener_writes_leave_on_the_next_poll_together() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(listener.local_addr().unwrap()), listener.accept());
+        let (mut io, mut peer) = (Gathered::new(accepted.unwrap().0), client.unwrap());
+        let wakes = Arc::new(Wakes(Default::default()));
+        let waker = std::task::Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut pinned = Pin::new(&mut io);
+        let write = |io: &mut Pin<&mut Gathered<TcpStream>>, cx: &mut Context<'_>, b: &[u8]| {
+            assert!(matches!(io.as_mut().poll_write(cx, b), Poll::Ready(Ok(n)) if n == b.len()));
+        };
+        // One poll: two messages and a flush.
+        write(&mut pinned, &mut cx, b"one ");
+        write(&mut pinned, &mut cx, b"two ");
+        assert!(matches!(pinned.as_mut().poll_flush(&mut cx), Poll::Ready(Ok(()))));
+        assert_eq!(wakes.0.load(std::sync::atomic::Ordering::SeqCst), 1, "the task is polled again");
+        // Another task queues a third before that poll.
+        write(&mut pinned, &mut cx, b"three");
+        assert!(matches!(pinned.as_mut().poll_flush(&mut cx), Poll::Ready(Ok(()))));
+        assert_eq!(wakes.0.load(std::sync::atomic::Ordering::SeqCst), 1, "woken once");
+        assert!(arrived(&mut peer).await.is_empty(), "nothing is written within the poll");
+        // The next poll: h2 reads first, then flushes.
+        let mut buf = [0u8; 16];
+        let mut read = ReadBuf::new(&mut buf);
+        assert!(pinned.as_mut().poll_read(&mut cx, &mut read).is_pending());
+        assert!(matches!(pinned.as_mut().poll_flush(&mut cx), Poll::Ready(Ok(()))));
+        assert_eq!(arrived(&mut peer).await, b"one two three");
+    }
+
+    /// Shutting a listener connection down writes what was gathered first.
+    #[tokio::test]
+    async fn listener_shutdown_drains_first() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(listener.local_addr().unwrap()), listener.accept());
+        let (mut io, mut peer) = (Gathered::new(accepted.unwrap().0), client.unwrap());
+        io.write_all(b"last events").await.unwrap();
+        io.flush().await.unwrap();
+        io.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"last events");
+    }
+}
