@@ -15,11 +15,13 @@
 //!
 //! Then throughput with 3 hooks at 1, 8 and 64 clients against the bare-RPC
 //! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query;
-//! the two measured in alternating half-second slices),
-//! and payloads of 1 KiB to 16 MiB through 3 hooks against three bare
-//! echoes of the same payload, with Lattice's peak RSS (`VmHWM`) and its
-//! RSS after the large queries (their sessions deleted, so what stays is
-//! Lattice's own).
+//! the two measured in alternating half-second slices), with the CPU each
+//! side spent per RPC or query (clients, Lattice, the peers), and payloads
+//! of 1 KiB to 16 MiB through 3 hooks against three bare echoes of the
+//! same payload, with Lattice's peak RSS (`VmHWM`, reset before each size's
+//! measured queries: the growth a query in steady state causes; and since
+//! rest) and its RSS after the large queries (their sessions deleted, so
+//! what stays is Lattice's own).
 //!
 //! Ratios are printed with their figures, the load average, and a CSV
 //! (`--csv FILE`). Numbers are printed, never asserted.
@@ -464,15 +466,23 @@ async fn main() {
     if section("throughput") {
         println!();
         println!("throughput, 3 hooks (4 RPCs a query: 3 hooks + 1 tool), 1 KiB:");
-        let three = rows.iter().find(|r| r.1 == 3).map(|r| r.2.1.clone()).unwrap();
+        let (three, lattice_pid) = rows.iter().find(|r| r.1 == 3).map(|r| (r.2.1.clone(), r.2.0.pid())).unwrap();
         let hook0 = bare[0].clone();
+        // Where the CPU of each side went: this process (the clients),
+        // Lattice, and the peers a query calls (three hooks and the tool).
+        let peers: Vec<u32> = hooks[..3].iter().chain(&tools[..1]).map(Proc::pid).collect();
+        let cpu_of = |pids: &[u32]| pids.iter().map(|p| cpu(*p)).sum::<Duration>();
         // Bare and Lattice take turns in half-second slices, so that both
         // see the same machine (a shared host's speed drifts over seconds).
         let slices = (secs / 0.5).ceil().max(1.0) as usize;
         let slice = secs / slices as f64;
         for clients in [1usize, 8, 64] {
             let (mut rpcs, mut rpc_secs, mut queries, mut query_secs) = (0.0, 0.0, 0.0, 0.0);
+            // CPU during the bare slices (clients, the one hook) and the
+            // Lattice slices (clients, Lattice, the peers).
+            let (mut bare_cpu, mut query_cpu) = ([Duration::ZERO; 2], [Duration::ZERO; 3]);
             for _ in 0..slices {
+                let before = [cpu(me), cpu(hooks[0].pid())];
                 let h = hook0.clone();
                 let req = request.clone();
                 let (n, took) = throughput(clients, slice, move |_| {
@@ -484,6 +494,9 @@ async fn main() {
                 })
                 .await;
                 (rpcs, rpc_secs) = (rpcs + n, rpc_secs + took);
+                bare_cpu[0] += cpu(me) - before[0];
+                bare_cpu[1] += cpu(hooks[0].pid()) - before[1];
+                let before = [cpu(me), cpu(lattice_pid), cpu_of(&peers)];
                 let c = three.clone();
                 let (n, took) = throughput(clients, slice, move |_| {
                     let mut c = c.clone();
@@ -493,12 +506,32 @@ async fn main() {
                 })
                 .await;
                 (queries, query_secs) = (queries + n, query_secs + took);
+                query_cpu[0] += cpu(me) - before[0];
+                query_cpu[1] += cpu(lattice_pid) - before[1];
+                query_cpu[2] += cpu_of(&peers) - before[2];
             }
             let (rps, qps) = (rpcs / rpc_secs, queries / query_secs);
             let ceiling = rps / 4.0;
             println!(
                 "  {clients:>3} clients: bare {rps:>7.0} RPC/s → ceiling {ceiling:>6.0} queries/s; Lattice {qps:>6.0} queries/s = {:.0} % of it",
                 100.0 * qps / ceiling
+            );
+            let per = |d: Duration, n: f64| us(d) / n.max(1.0);
+            println!(
+                "       CPU µs: bare RPC client {:.1} + server {:.1}; query client {:.1} + Lattice {:.1} + peers {:.1} ({:.1} per RPC)",
+                per(bare_cpu[0], rpcs),
+                per(bare_cpu[1], rpcs),
+                per(query_cpu[0], queries),
+                per(query_cpu[1], queries),
+                per(query_cpu[2], queries),
+                per(query_cpu[2], queries * 4.0),
+            );
+            let _ = writeln!(
+                csv,
+                "throughput,{clients} clients lattice_cpu_per_query_us,{:.1},{:.1},{:.3}",
+                per(query_cpu[1], queries),
+                per(bare_cpu[0] + bare_cpu[1], rpcs),
+                per(query_cpu[1], queries) / per(bare_cpu[0] + bare_cpu[1], rpcs)
             );
             let _ =
                 writeln!(csv, "throughput,{clients} clients queries_per_s,{qps:.0},{ceiling:.0},{:.3}", qps / ceiling);
@@ -520,9 +553,21 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let rss_start = status_bytes(proc.pid(), "VmRSS");
         println!("  Lattice RSS at rest: {:.1} MiB", rss_start as f64 / MIB as f64);
+        // The peak of each size is that of a query in steady state: after
+        // one query of the size with and without hooks (the first grows
+        // connection buffers and the allocator's arenas once), the kernel's
+        // high-water mark is reset and measured from the RSS just before
+        // the size's queries. The high-water mark since rest, which counts
+        // what earlier queries left, is printed beside it.
+        let mut hwm_since_rest = 0;
         for size in SIZES {
             let request = tool_result(size);
             let n = rounds.max(3);
+            query_once(&mut client, &format!("p{size}h0")).await;
+            query_once(&mut client, &format!("p{size}h3")).await;
+            hwm_since_rest = hwm_since_rest.max(status_bytes(proc.pid(), "VmHWM"));
+            let reset = std::fs::write(format!("/proc/{}/clear_refs", proc.pid()), "5").is_ok();
+            let rss_before = status_bytes(proc.pid(), "VmRSS");
             let (mut echo, mut h0, mut h3) = (Sample::default(), Sample::default(), Sample::default());
             for _ in 0..n {
                 let t = Instant::now();
@@ -535,19 +580,29 @@ async fn main() {
             }
             let added = us(h3.p(0.5)) - us(h0.p(0.5));
             let reference = us(echo.p(0.5));
-            let peak = status_bytes(proc.pid(), "VmHWM").saturating_sub(rss_start);
+            let hwm = status_bytes(proc.pid(), "VmHWM");
+            hwm_since_rest = hwm_since_rest.max(hwm);
+            // Without the reset (an older kernel), the mark is since rest.
+            let peak = hwm.saturating_sub(if reset { rss_before } else { rss_start });
+            let from_rest = hwm_since_rest.saturating_sub(rss_start);
             println!(
-                "  {:>8}: 3 hooks add {:>9.0} µs vs 3 bare echoes {:>9.0} µs = {:>5.2}×; peak RSS growth {:>6.1} MiB = {:>5.1}× the payload",
+                "  {:>8}: 3 hooks add {:>9.0} µs vs 3 bare echoes {:>9.0} µs = {:>5.2}×; peak RSS growth {:>6.1} MiB = {:>5.1}× the payload ({:.1}× from rest)",
                 human(size),
                 added,
                 reference,
                 added / reference,
                 peak as f64 / MIB as f64,
-                peak as f64 / size as f64
+                peak as f64 / size as f64,
+                from_rest as f64 / size as f64
             );
             let _ = writeln!(csv, "payload,{size} added_p50_us,{added:.1},{reference:.1},{:.3}", added / reference);
             let _ =
                 writeln!(csv, "payload,{size} peak_rss_growth_bytes,{peak},{size},{:.3}", peak as f64 / size as f64);
+            let _ = writeln!(
+                csv,
+                "payload,{size} peak_rss_growth_from_rest_bytes,{from_rest},{size},{:.3}",
+                from_rest as f64 / size as f64
+            );
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
         let rss_end = status_bytes(proc.pid(), "VmRSS");
