@@ -242,6 +242,9 @@ struct Hook {
     events: HookEvents,
     deadline: Duration,
     client: pb::hook_service_client::HookServiceClient<Peer>,
+    /// The same transport for OnToolResult, whose requests are encoded from
+    /// shared values (see [`wire`]).
+    grpc: tonic::client::Grpc<Peer>,
     peer: Peer,
     /// Whether Lattice is ready only while this hook has a ready address.
     required: bool,
@@ -305,6 +308,9 @@ impl HookChain {
                 });
                 Hook {
                     client: pb::hook_service_client::HookServiceClient::new(peer.clone())
+                        .max_decoding_message_size(max_message_bytes)
+                        .max_encoding_message_size(max_message_bytes),
+                    grpc: tonic::client::Grpc::new(peer.clone())
                         .max_decoding_message_size(max_message_bytes)
                         .max_encoding_message_size(max_message_bytes),
                     name: d.name,
@@ -421,24 +427,31 @@ impl HookChain {
         &self,
         step: Step<'_>,
         call: &ToolCallView<'_>,
-        mut result: ToolResult,
+        result: ToolResult,
         mut observe: Option<&mut Observer<'_, ToolResult>>,
     ) -> Result<ToolResult, ChainError> {
+        if !self.handles_tool_results() {
+            return Ok(result);
+        }
         let subject = || HookSubject::ToolUse(call.tool_use_id.to_owned());
         let audit = step.scope.audit.as_deref();
         let mut digest = audit.map(|a| a.digest.tool_result(&result));
+        // What every hook's request carries around the result, encoded once;
+        // the result is shared with each request, not copied into it.
+        let around = wire::Around::new(pb::OnToolResultRequest {
+            context: Some(self.context(step)),
+            tool_name: call.tool_name.to_owned(),
+            tool_use_id: call.tool_use_id.to_owned(),
+            input: Some(convert::to_struct(call.input)),
+            result: None,
+            error: call.error.as_ref().map(Into::into),
+            source: Some((&call.source).into()),
+        });
+        let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
-            let request = pb::OnToolResultRequest {
-                context: Some(self.context(step)),
-                tool_name: call.tool_name.to_owned(),
-                tool_use_id: call.tool_use_id.to_owned(),
-                input: Some(convert::to_struct(call.input)),
-                result: Some((&result).into()),
-                error: call.error.as_ref().map(Into::into),
-                source: Some((&call.source).into()),
-            };
-            let mut client = hook.client.clone();
-            let send = |req| async move { client.on_tool_result(req).await };
+            let request = around.with(result.clone());
+            let mut grpc = hook.grpc.clone();
+            let send = |req| async move { wire::on_tool_result(&mut grpc, req).await };
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
                 Some(r) if r.tool_use_id != call.tool_use_id => {
@@ -450,9 +463,9 @@ impl HookChain {
             match self.call(hook, step, HookEvent::ToolResult, subject(), request, send, accept).await {
                 Ok(replacement) => {
                     let replaced = replacement.is_some();
-                    let changed = observe.is_some() && replacement.as_ref().is_some_and(|r| *r != result);
+                    let changed = observe.is_some() && replacement.as_ref().is_some_and(|r| *r != *result);
                     if let Some(r) = replacement {
-                        result = r;
+                        result = Arc::new(r);
                     }
                     if let Some(before) = digest.take() {
                         let after = audit.filter(|_| replaced).map(|a| a.digest.tool_result(&result));
@@ -462,7 +475,7 @@ impl HookChain {
                         digest = Some(kept);
                     }
                     if let Some(observe) = observe.as_mut() {
-                        let outcome = Ok(&result);
+                        let outcome = Ok(&*result);
                         observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
                     }
                 }
@@ -476,7 +489,8 @@ impl HookChain {
                 }
             }
         }
-        Ok(result)
+        // Each request was dropped once encoded: the value is not shared.
+        Ok(Arc::try_unwrap(result).unwrap_or_else(|shared| (*shared).clone()))
     }
 
     /// Passes a model request through every OnModelRequest hook, in order.
@@ -632,8 +646,7 @@ impl HookChain {
             let mut request = tonic::Request::new(message);
             // The transport sends the time left as grpc-timeout (on a
             // transparent retry too; see `peer`).
-            request.extensions_mut().insert(CallDeadline(call_deadline));
-            request.extensions_mut().insert(probe.clone());
+            request.extensions_mut().insert(CallDeadline::probed(call_deadline, probe.clone()));
             crate::telemetry::inject(&span, request.metadata_mut());
             match tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await {
                 Err(_elapsed) => HookFailure::Deadline,
@@ -761,3 +774,4 @@ fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -
 
 #[cfg(test)]
 mod tests;
+mod wire;

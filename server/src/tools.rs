@@ -314,7 +314,7 @@ pub async fn call_remote(
     });
     // The transport sends the time left as grpc-timeout (on a transparent
     // retry too; see `peer`).
-    request.extensions_mut().insert(CallDeadline(deadline));
+    request.extensions_mut().insert(CallDeadline::new(deadline));
     crate::telemetry::inject(&tracing::Span::current(), request.metadata_mut());
     let mut client = client.clone();
     match tokio::time::timeout_at(deadline, client.call_tool(request)).await {

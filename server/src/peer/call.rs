@@ -90,9 +90,30 @@ impl Probe {
 
 /// When a call must have ended, in the request's extensions: a retry
 /// carries the time left until then in its `grpc-timeout`, and none starts
-/// after it.
-#[derive(Debug, Clone, Copy)]
-pub struct CallDeadline(pub Instant);
+/// after it. With a [`Probe`], the call records the `grpc-status` the peer
+/// sent there (one extension for both: each is an allocation per call).
+#[derive(Debug, Clone)]
+pub struct CallDeadline {
+    /// The deadline.
+    pub at: Instant,
+    pub(crate) probe: Option<Probe>,
+}
+
+impl CallDeadline {
+    /// A deadline, with no status probe.
+    pub fn new(at: Instant) -> Self {
+        Self { at, probe: None }
+    }
+
+    /// A deadline whose call records the peer's `grpc-status` in `probe`.
+    pub(crate) fn probed(at: Instant, probe: Probe) -> Self {
+        Self { at, probe: Some(probe) }
+    }
+}
+
+/// `grpc-timeout`, a header name of no standard (a static name costs no
+/// allocation per call).
+const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
 
 /// Why an attempt provably never reached the service (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,25 +207,30 @@ impl tower::Service<http::Request<Body>> for Peer {
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let pool = self.pool.clone();
         Box::pin(async move {
-            let probe = request.extensions().get::<Probe>().cloned();
-            let deadline = request.extensions().get::<CallDeadline>().copied();
-            let (parts, body) = request.into_parts();
+            let (mut parts, body) = request.into_parts();
+            // Read here; the attempts carry no extensions.
+            let (deadline, probe) = match parts.extensions.remove::<CallDeadline>() {
+                Some(CallDeadline { at, probe }) => (Some(at), probe),
+                None => (None, None),
+            };
             // Kept for a retry: a unary request is one message, encoded once.
-            let body = body.collect().await?.to_bytes();
+            let body = whole(body).await?;
+            // The addresses whose attempt went unsent (filled on a retry only).
             let mut tried = Vec::new();
+            let mut attempts = 0;
             let mut last_error = None;
             loop {
                 let Some((index, slot)) = pool.pick(&tried) else {
                     return Err(last_error.unwrap_or_else(|| tonic::Status::unavailable("no ready address").into()));
                 };
-                tried.push(index);
+                attempts += 1;
                 let mut attempt = rebuild(&parts, body.clone());
-                if let Some(CallDeadline(at)) = deadline {
+                if let Some(at) = deadline {
                     let left = at.saturating_duration_since(Instant::now());
-                    if left.is_zero() && tried.len() > 1 {
+                    if left.is_zero() && attempts > 1 {
                         return Err(tonic::Status::deadline_exceeded("no time left to retry").into());
                     }
-                    attempt.headers_mut().insert("grpc-timeout", super::grpc_timeout(left));
+                    attempt.headers_mut().insert(GRPC_TIMEOUT, super::grpc_timeout(left));
                 }
                 match send(&slot, attempt).await {
                     Ok(response) => {
@@ -232,7 +258,7 @@ impl tower::Service<http::Request<Body>> for Peer {
                         }
                         // A single address is tried again (after a reconnect);
                         // otherwise each address once.
-                        let more = !pool.single || tried.len() < SINGLE_ATTEMPTS;
+                        let more = !pool.single || attempts < SINGLE_ATTEMPTS;
                         match not_sent {
                             Some(why) if more => debug!(
                                 endpoint = %pool.name,
@@ -242,6 +268,7 @@ impl tower::Service<http::Request<Body>> for Peer {
                             ),
                             _ => return Err(e),
                         }
+                        tried.push(index);
                         last_error = Some(e);
                     }
                 }
@@ -250,15 +277,36 @@ impl tower::Service<http::Request<Body>> for Peer {
     }
 }
 
-/// A copy of a request for one attempt.
+/// A copy of a request for one attempt (its extensions were read by the
+/// call; the transports need none).
 fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Bytes> {
     let mut request = http::Request::new(body);
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = parts.uri.clone();
     *request.version_mut() = parts.version;
     *request.headers_mut() = parts.headers.clone();
-    *request.extensions_mut() = parts.extensions.clone();
     request
+}
+
+/// A request body read whole. A unary gRPC request is one DATA frame (the
+/// encoded message with its prefix), which is returned as it is; more
+/// frames are joined.
+async fn whole(mut body: Body) -> Result<Bytes, BoxError> {
+    let mut first: Option<Bytes> = None;
+    let mut rest: Vec<u8> = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else { continue };
+        match &first {
+            None => first = Some(data),
+            Some(f) => {
+                if rest.is_empty() {
+                    rest.extend_from_slice(f);
+                }
+                rest.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(if rest.is_empty() { first.unwrap_or_default() } else { Bytes::from(rest) })
 }
 
 /// One attempt on one address.
