@@ -1,6 +1,8 @@
 //! The server's own conversation types. The agent loop, the models and the
 //! hook chain speak these; proto types exist only at the edges (`convert`).
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -98,8 +100,8 @@ pub struct ModelRequest {
     pub system: String,
     /// The conversation.
     pub messages: Vec<Message>,
-    /// The tools offered.
-    pub tools: Vec<ToolSpec>,
+    /// The tools offered (the agent's, shared by every request).
+    pub tools: Arc<[ToolSpec]>,
 }
 
 /// Why the model stopped.

@@ -219,10 +219,15 @@ impl AgentSvc {
             // the result: its next query finds the session free. A commit
             // that fails (lease lost, store down) fails the query instead.
             let outcome = match outcome {
-                Ok((out, result)) => match lease.commit(&out.messages[stored..]).await {
-                    Ok(()) => Ok((out, result)),
-                    Err(e) => Err(AgentError::Store(e)),
-                },
+                Ok((mut out, result)) => {
+                    // The messages this query appended, moved to the store.
+                    let mut appended = std::mem::take(&mut out.messages);
+                    appended.drain(..stored);
+                    match lease.commit(appended).await {
+                        Ok(()) => Ok((out, result)),
+                        Err(e) => Err(AgentError::Store(e)),
+                    }
+                }
                 Err(e) => {
                     // Released before the client hears of the failure, so
                     // that a retry finds the session free.
@@ -323,7 +328,7 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::QueryEvent, Status>> + S
 
 fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
     let d = &a.def;
-    let specs = a.tools().map(|t| t.specs.as_slice()).unwrap_or_default();
+    let specs = a.tools().map(|t| &t.specs[..]).unwrap_or_default();
     let readiness = a.hooks.readiness();
     let ready_addresses = |name: &str| readiness.iter().find(|(n, ..)| n == name).map_or(0, |(_, r, _)| *r as u32);
     pb::Agent {

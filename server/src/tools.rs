@@ -4,7 +4,7 @@
 //! A remote call never aborts a query: a failed RPC, a deadline or an
 //! `is_error` answer becomes an error result that the model reads.
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use lattice_proto::tools::v1 as pb;
 use serde_json::Value;
@@ -112,8 +112,9 @@ impl RawResult {
 /// An agent's tools.
 #[derive(Debug, Clone, Default)]
 pub struct AgentTools {
-    /// Offered to the model, in config order.
-    pub specs: Vec<ToolSpec>,
+    /// Offered to the model, in config order (each model request shares
+    /// them).
+    pub specs: Arc<[ToolSpec]>,
     /// Name → where calls go.
     pub bindings: HashMap<String, Binding>,
 }
@@ -237,7 +238,8 @@ impl AgentTools {
             return Err(ToolSetupError::Duplicate { agent: agent.to_owned(), name: spec.name });
         }
         self.bindings.insert(spec.name.clone(), binding);
-        self.specs.push(spec);
+        // At set-up only: a list of a few specs, copied to add one.
+        self.specs = self.specs.iter().cloned().chain([spec]).collect();
         Ok(())
     }
 }

@@ -286,14 +286,14 @@ async fn a_lost_lease_writes_nothing() {
     let settings = PostgresSettings { url_env: "-".into(), url: url.clone(), pool_size: 2, exit_if_unreachable: true };
     let store = PostgresStore::new(&settings, Duration::from_millis(600), Duration::from_secs(3600)).unwrap();
     store.migrate().await.unwrap();
-    store.acquire("s", "a", true).await.unwrap().commit(&[Message::user_text("kept")]).await.unwrap();
+    store.acquire("s", "a", true).await.unwrap().commit(vec![Message::user_text("kept")]).await.unwrap();
 
     let lease = store.acquire("s", "a", false).await.unwrap();
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(connection);
     client.execute("UPDATE lattice_sessions SET lease_token = gen_random_uuid() WHERE id = 's'", &[]).await.unwrap();
     tokio::time::timeout(Duration::from_secs(3), lease.lost()).await.expect("the holder learns it lost the lease");
-    assert_eq!(lease.commit(&[Message::user_text("lost")]).await.unwrap_err(), StoreError::LeaseLost);
+    assert_eq!(lease.commit(vec![Message::user_text("lost")]).await.unwrap_err(), StoreError::LeaseLost);
     let rows: i64 = client.query_one("SELECT count(*) FROM lattice_messages", &[]).await.unwrap().get(0);
     assert_eq!(rows, 1, "the lost lease wrote nothing");
     assert_eq!(store.get("s").await.unwrap().messages, vec![Message::user_text("kept")]);

@@ -99,12 +99,12 @@ struct MemoryLease {
 }
 
 impl LeaseHolder for MemoryLease {
-    fn commit<'a>(&'a self, appended: &'a [Message]) -> StoreFuture<'a, ()> {
+    fn commit(&self, appended: Vec<Message>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let mut state = self.store.state();
             let slot = state.slots.get_mut(&self.id).filter(|s| s.leased == Some(self.token));
             let slot = slot.ok_or(StoreError::LeaseLost)?;
-            slot.session.messages.extend_from_slice(appended);
+            slot.session.messages.extend(appended);
             slot.leased = None;
             slot.touched = Instant::now();
             Ok(())

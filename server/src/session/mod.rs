@@ -115,7 +115,7 @@ pub trait LeaseHolder: Send + Sync + fmt::Debug {
     /// Appends `appended` to the conversation at the version the lease was
     /// taken at, and releases the lease, atomically; or does nothing and
     /// fails if the lease is no longer held.
-    fn commit<'a>(&'a self, appended: &'a [Message]) -> StoreFuture<'a, ()>;
+    fn commit(&self, appended: Vec<Message>) -> StoreFuture<'_, ()>;
     /// Releases the lease without changes (best effort: an unreleased lease
     /// expires). What can be done at once is done before it returns; the
     /// rest is the future.
@@ -147,7 +147,7 @@ impl Lease {
     }
 
     /// Appends a successful query's new messages and releases the lease.
-    pub async fn commit(mut self, appended: &[Message]) -> Result<(), StoreError> {
+    pub async fn commit(mut self, appended: Vec<Message>) -> Result<(), StoreError> {
         let Some(holder) = self.holder.take() else { return Err(StoreError::LeaseLost) };
         holder.commit(appended).await
     }

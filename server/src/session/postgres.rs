@@ -229,7 +229,7 @@ struct PgLease {
 }
 
 impl LeaseHolder for PgLease {
-    fn commit<'a>(&'a self, appended: &'a [Message]) -> StoreFuture<'a, ()> {
+    fn commit(&self, appended: Vec<Message>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             self.done.cancel();
             let rows: Vec<String> = appended

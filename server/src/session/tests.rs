@@ -17,12 +17,12 @@ async fn a_session_has_one_lease_at_a_time_and_changes_only_on_commit() {
     assert!(lease.created);
     assert_eq!(store.acquire("s", "a", false).await.unwrap_err(), StoreError::Busy);
     assert_eq!(store.delete("s").await.unwrap_err(), StoreError::Busy);
-    lease.commit(&[text("hi")]).await.unwrap();
+    lease.commit(vec![text("hi")]).await.unwrap();
     let lease = store.acquire("s", "a", false).await.unwrap();
     assert_eq!(lease.session.messages.len(), 1);
     drop(lease); // no commit: unchanged
     let lease = store.acquire("s", "a", false).await.unwrap();
-    lease.commit(&[text("again")]).await.unwrap();
+    lease.commit(vec![text("again")]).await.unwrap();
     assert_eq!(store.get("s").await.unwrap().messages, vec![text("hi"), text("again")]);
     store.delete("s").await.unwrap();
     assert_eq!(store.get("s").await.unwrap_err(), StoreError::NotFound);
@@ -41,13 +41,13 @@ async fn a_failed_first_query_leaves_no_session() {
 #[tokio::test(start_paused = true)]
 async fn idle_sessions_expire() {
     let store = MemoryStore::new(10, Duration::from_secs(60));
-    store.acquire("old", "a", true).await.unwrap().commit(&[text("x")]).await.unwrap();
+    store.acquire("old", "a", true).await.unwrap().commit(vec![text("x")]).await.unwrap();
     let running = store.acquire("busy", "a", true).await.unwrap();
     tokio::time::advance(Duration::from_secs(59)).await;
     assert!(store.get("old").await.is_ok(), "read: touched again");
     tokio::time::advance(Duration::from_secs(61)).await;
     assert_eq!(store.get("old").await.unwrap_err(), StoreError::NotFound);
-    running.commit(&[text("y")]).await.unwrap();
+    running.commit(vec![text("y")]).await.unwrap();
     assert_eq!(store.get("busy").await.unwrap().messages.len(), 1);
 }
 
@@ -56,7 +56,7 @@ async fn idle_sessions_expire() {
 async fn the_session_cap_is_enforced() {
     let store = MemoryStore::new(2, Duration::from_secs(60));
     for id in ["a", "b"] {
-        store.acquire(id, "x", true).await.unwrap().commit(&[text(id)]).await.unwrap();
+        store.acquire(id, "x", true).await.unwrap().commit(vec![text(id)]).await.unwrap();
     }
     assert_eq!(store.acquire("c", "x", true).await.unwrap_err(), StoreError::Full(2));
     assert!(store.acquire("a", "x", false).await.is_ok(), "existing sessions go on");

@@ -187,7 +187,7 @@ async fn commits() {
         // churn of its session row; then 200 commits of one turn each.
         let id = format!("bench-{turns}");
         let history: Vec<Message> = turn.iter().cycle().take(2 * turns).cloned().collect();
-        store.acquire(&id, "a", true).await.unwrap().commit(&history).await.unwrap();
+        store.acquire(&id, "a", true).await.unwrap().commit(history.clone()).await.unwrap();
         let (mut commit, mut acquire) = (Vec::new(), Vec::new());
         for _ in 0..200 {
             let started = Instant::now();
@@ -196,7 +196,7 @@ async fn commits() {
             // What the store does, not freeing the history read.
             let history = std::mem::take(&mut lease.session);
             let started = Instant::now();
-            lease.commit(&turn).await.unwrap();
+            lease.commit(turn.to_vec()).await.unwrap();
             commit.push(started.elapsed());
             drop(history);
         }
