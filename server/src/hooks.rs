@@ -241,9 +241,7 @@ struct Hook {
     endpoint: String,
     events: HookEvents,
     deadline: Duration,
-    client: pb::hook_service_client::HookServiceClient<Peer>,
-    /// The same transport for OnToolResult, whose requests are encoded from
-    /// shared values (see [`wire`]).
+    /// Its calls, with requests encoded from shared values (see [`wire`]).
     grpc: tonic::client::Grpc<Peer>,
     peer: Peer,
     /// Whether Lattice is ready only while this hook has a ready address.
@@ -307,9 +305,6 @@ impl HookChain {
                     metrics.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels, OUTCOMES)
                 });
                 Hook {
-                    client: pb::hook_service_client::HookServiceClient::new(peer.clone())
-                        .max_decoding_message_size(max_message_bytes)
-                        .max_encoding_message_size(max_message_bytes),
                     grpc: tonic::client::Grpc::new(peer.clone())
                         .max_decoding_message_size(max_message_bytes)
                         .max_encoding_message_size(max_message_bytes),
@@ -518,7 +513,7 @@ impl HookChain {
             context: Some(self.context(step)),
             system: request.system.clone(),
             messages: Vec::new(),
-            tools: tools.clone(),
+            tools,
             omitted_messages: u32::MAX,
         };
         let omitted = window(&request.messages, &messages, base.encoded_len(), self.max_message_bytes);
@@ -527,22 +522,18 @@ impl HookChain {
             request.messages.drain(..omitted);
             messages.drain(..omitted);
         }
-        let mut first = Some(messages);
+        // What every hook's request carries around the system prompt and
+        // the messages, encoded once; the messages in protobuf are shared
+        // with each request, and converted again only after a replacement.
+        let around = wire::TurnAround::new(pb::OnModelRequestRequest { omitted_messages: omitted as u32, ..base });
+        let mut messages = Arc::new(messages);
         let audit = step.scope.audit.as_deref();
         let mut digest = audit.map(|a| a.digest.model_request(&request));
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
-            let pb_request = pb::OnModelRequestRequest {
-                context: Some(self.context(step)),
-                system: request.system.clone(),
-                // Converted once for the first hook, then from what the
-                // previous hook left.
-                messages: first.take().unwrap_or_else(|| convert::messages_to_pb(&request.messages)),
-                tools: tools.clone(),
-                omitted_messages: omitted as u32,
-            };
-            let mut client = hook.client.clone();
-            let send = |req| async move { client.on_model_request(req).await };
+            let pb_request = around.with(&request.system, messages.clone());
+            let mut grpc = hook.grpc.clone();
+            let send = |req| async move { wire::on_model_request(&mut grpc, req).await };
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
             let event = HookEvent::ModelRequest;
@@ -563,6 +554,7 @@ impl HookChain {
                     || system.as_ref().is_some_and(|s| *s != request.system));
             if let Some(replaced) = replacement {
                 request.messages = replaced;
+                messages = Arc::new(convert::messages_to_pb(&request.messages));
             }
             if let Some(system) = system {
                 request.system = system;

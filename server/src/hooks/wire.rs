@@ -1,17 +1,22 @@
-//! OnToolResult requests encoded from the chain's own values.
+//! Hook requests encoded from the chain's own values.
 //!
-//! Every hook of a chain is sent the same request but for its `result`,
-//! which is what the previous hook passed on. So the fields around the
-//! result (context, tool name and id, input, error, source) are encoded
-//! once per result, and the result is encoded straight from the chain's
-//! value, which the request shares instead of holding a copy of it. On the
-//! wire this is exactly prost's encoding of the generated
-//! `OnToolResultRequest`, fields in number order (a test compares the
-//! bytes), so hooks see no difference.
+//! Every hook of a chain is sent the same request but for the value, which
+//! is what the previous hook passed on. So the fields around the value are
+//! encoded once per chain, and the value is encoded from what the chain
+//! holds, which the request shares instead of holding a copy of it:
+//! - OnToolResult: context, tool name and id, input, error and source once
+//!   per result; the result straight from the chain's [`ToolResult`];
+//! - OnModelRequest: context, tools and the omitted count once per turn;
+//!   the messages converted to protobuf once, and again only after a hook
+//!   replaced them (the next hook gets the same list otherwise).
+//!
+//! On the wire this is exactly prost's encoding of the generated request,
+//! fields in number order (tests compare the bytes), so hooks see no
+//! difference.
 
 use std::{fmt, sync::Arc};
 
-use lattice_proto::{codec::LatticeCodec, hooks::v1 as pb};
+use lattice_proto::{agent::v1 as apb, codec::LatticeCodec, hooks::v1 as pb};
 use prost::{
     Message,
     bytes::{Buf, BufMut},
@@ -148,6 +153,97 @@ impl Message for ToolResultRequest {
     fn clear(&mut self) {}
 }
 
+/// `OnModelRequestRequest.system`.
+const SYSTEM: u32 = 2;
+/// `OnModelRequestRequest.messages`.
+const MESSAGES: u32 = 3;
+
+/// The encoded fields of one turn's OnModelRequest requests around
+/// `system` and `messages`.
+pub(super) struct TurnAround {
+    before: Vec<u8>,
+    after: Vec<u8>,
+}
+
+impl TurnAround {
+    /// Encodes `request`'s fields but `system` and `messages` (ignored).
+    pub(super) fn new(mut request: pb::OnModelRequestRequest) -> Arc<TurnAround> {
+        request.system.clear();
+        request.messages.clear();
+        // Fields 4 and 5 follow the messages; 1 precedes the system prompt.
+        let after = pb::OnModelRequestRequest {
+            tools: std::mem::take(&mut request.tools),
+            omitted_messages: std::mem::take(&mut request.omitted_messages),
+            ..Default::default()
+        };
+        Arc::new(TurnAround { before: request.encode_to_vec(), after: after.encode_to_vec() })
+    }
+
+    /// The request that carries `system` and `messages`.
+    pub(super) fn with(self: &Arc<Self>, system: &str, messages: Arc<Vec<apb::Message>>) -> ModelRequestRequest {
+        ModelRequestRequest { around: self.clone(), system: system.to_owned(), messages }
+    }
+}
+
+/// An OnModelRequest request (see the module docs). Only ever encoded.
+#[derive(Clone)]
+pub(super) struct ModelRequestRequest {
+    around: Arc<TurnAround>,
+    system: String,
+    messages: Arc<Vec<apb::Message>>,
+}
+
+impl fmt::Debug for ModelRequestRequest {
+    // Sizes only: the messages are pre-hook values.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModelRequestRequest").field("bytes", &self.encoded_len()).finish()
+    }
+}
+
+impl Message for ModelRequestRequest {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        buf.put_slice(&self.around.before);
+        if !self.system.is_empty() {
+            encoding::string::encode(SYSTEM, &self.system, buf);
+        }
+        for m in self.messages.iter() {
+            encoding::message::encode(MESSAGES, m, buf);
+        }
+        buf.put_slice(&self.around.after);
+    }
+
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        // Never decoded (Lattice only sends it): skipped like an unknown field.
+        encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+
+    fn encoded_len(&self) -> usize {
+        let system = if self.system.is_empty() { 0 } else { encoding::string::encoded_len(SYSTEM, &self.system) };
+        self.around.before.len()
+            + system
+            + encoding::message::encoded_len_repeated(MESSAGES, &self.messages)
+            + self.around.after.len()
+    }
+
+    fn clear(&mut self) {}
+}
+
+/// `HookService/OnModelRequest` with a request encoded from shared values.
+pub(super) async fn on_model_request(
+    grpc: &mut tonic::client::Grpc<Peer>,
+    request: tonic::Request<ModelRequestRequest>,
+) -> Result<tonic::Response<pb::OnModelRequestResponse>, tonic::Status> {
+    grpc.ready().await.map_err(|e| tonic::Status::unknown(format!("the hook's channel is not ready: {e}")))?;
+    let path = PathAndQuery::from_static("/lattice.hooks.v1.HookService/OnModelRequest");
+    grpc.unary(request, path, LatticeCodec::<ModelRequestRequest, pb::OnModelRequestResponse>::default()).await
+}
+
 /// `HookService/OnToolResult` with a request encoded from shared values.
 pub(super) async fn on_tool_result(
     grpc: &mut tonic::client::Grpc<Peer>,
@@ -218,10 +314,63 @@ mod tests {
         assert_eq!(decoded.unwrap().result, Some(apb::ToolResultBlock::from(&new)));
     }
 
+    fn model_request(system: &str, messages: Vec<apb::Message>) -> pb::OnModelRequestRequest {
+        let tools = [crate::domain::ToolSpec {
+            name: "fetch".into(),
+            description: "gets a page".into(),
+            input_schema: serde_json::json!({"type": "object"}).as_object().unwrap().clone(),
+        }];
+        pb::OnModelRequestRequest {
+            context: Some(pb::HookContext { agent: "a".into(), session_id: "s".into(), query_id: "q".into(), turn: 2 }),
+            system: system.into(),
+            messages,
+            tools: tools.iter().map(Into::into).collect(),
+            omitted_messages: 7,
+        }
+    }
+
+    #[test]
+    fn model_request_bytes_are_prosts_encoding_of_the_generated_message() {
+        use crate::domain::{Block, Message as Msg, Role, ToolUse};
+        let conversation = vec![
+            Msg::user_text("find it"),
+            Msg {
+                role: Role::Assistant,
+                content: vec![
+                    Block::Text { text: "looking".into() },
+                    Block::ToolUse(ToolUse {
+                        id: "toolu_1".into(),
+                        name: "fetch".into(),
+                        input: serde_json::json!({"q": "x"}).as_object().unwrap().clone(),
+                    }),
+                ],
+            },
+            Msg {
+                role: Role::User,
+                content: vec![Block::ToolResult(ToolResult::text("toolu_1", "z".repeat(20_000), false))],
+            },
+        ];
+        let cases = [
+            ("", vec![]),
+            ("be brief", crate::convert::messages_to_pb(&conversation[..1])),
+            ("", crate::convert::messages_to_pb(&conversation)),
+        ];
+        for (i, (system, messages)) in cases.into_iter().enumerate() {
+            let expected = model_request(system, messages.clone()).encode_to_vec();
+            let shared = TurnAround::new(model_request("ignored", vec![])).with(system, Arc::new(messages));
+            assert_eq!(shared.encoded_len(), expected.len(), "case {i}");
+            assert_eq!(shared.encode_to_vec(), expected, "case {i}");
+        }
+    }
+
     #[test]
     fn debug_shows_no_content() {
         let result = ToolResult::text("toolu_1", "secret-value", false);
         let shown = format!("{:?}", Around::new(request(None, false)).with(Arc::new(result)));
         assert!(!shown.contains("secret-value"), "{shown}");
+        let messages = crate::convert::messages_to_pb(&[crate::domain::Message::user_text("secret-value")]);
+        let shown =
+            format!("{:?}", TurnAround::new(model_request("", vec![])).with("secret-system", Arc::new(messages)));
+        assert!(!shown.contains("secret-value") && !shown.contains("secret-system"), "{shown}");
     }
 }
