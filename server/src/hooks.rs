@@ -446,7 +446,7 @@ impl HookChain {
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
             let request = around.with(result.clone());
             let mut grpc = hook.grpc.clone();
-            let send = |req| async move { wire::on_tool_result(&mut grpc, req).await };
+            let send = |req| async move { wire::unary(&mut grpc, wire::ON_TOOL_RESULT, req).await };
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
                 Some(r) if r.tool_use_id != call.tool_use_id => {
@@ -533,7 +533,7 @@ impl HookChain {
             let position = position as u32 + 1;
             let pb_request = around.with(&request.system, messages.clone());
             let mut grpc = hook.grpc.clone();
-            let send = |req| async move { wire::on_model_request(&mut grpc, req).await };
+            let send = |req| async move { wire::unary(&mut grpc, wire::ON_MODEL_REQUEST, req).await };
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
             let event = HookEvent::ModelRequest;

@@ -234,25 +234,24 @@ impl Message for ModelRequestRequest {
     fn clear(&mut self) {}
 }
 
-/// `HookService/OnModelRequest` with a request encoded from shared values.
-pub(super) async fn on_model_request(
-    grpc: &mut tonic::client::Grpc<Peer>,
-    request: tonic::Request<ModelRequestRequest>,
-) -> Result<tonic::Response<pb::OnModelRequestResponse>, tonic::Status> {
-    grpc.ready().await.map_err(|e| tonic::Status::unknown(format!("the hook's channel is not ready: {e}")))?;
-    let path = PathAndQuery::from_static("/lattice.hooks.v1.HookService/OnModelRequest");
-    grpc.unary(request, path, LatticeCodec::<ModelRequestRequest, pb::OnModelRequestResponse>::default()).await
-}
+/// `HookService/OnToolResult`.
+pub(super) const ON_TOOL_RESULT: &str = "/lattice.hooks.v1.HookService/OnToolResult";
+/// `HookService/OnModelRequest`.
+pub(super) const ON_MODEL_REQUEST: &str = "/lattice.hooks.v1.HookService/OnModelRequest";
 
-/// `HookService/OnToolResult` with a request encoded from shared values.
-pub(super) async fn on_tool_result(
+/// One hook RPC at `path` with a request encoded from shared values.
+pub(super) async fn unary<Req, Resp>(
     grpc: &mut tonic::client::Grpc<Peer>,
-    request: tonic::Request<ToolResultRequest>,
-) -> Result<tonic::Response<pb::OnToolResultResponse>, tonic::Status> {
+    path: &'static str,
+    request: tonic::Request<Req>,
+) -> Result<tonic::Response<Resp>, tonic::Status>
+where
+    Req: Message + Send + Sync + 'static,
+    Resp: Message + Default + lattice_proto::codec::Payload + Send + 'static,
+{
     // A peer is always ready: each attempt waits for its own connection.
     grpc.ready().await.map_err(|e| tonic::Status::unknown(format!("the hook's channel is not ready: {e}")))?;
-    let path = PathAndQuery::from_static("/lattice.hooks.v1.HookService/OnToolResult");
-    grpc.unary(request, path, LatticeCodec::<ToolResultRequest, pb::OnToolResultResponse>::default()).await
+    grpc.unary(request, PathAndQuery::from_static(path), LatticeCodec::<Req, Resp>::default()).await
 }
 
 #[cfg(test)]
@@ -361,6 +360,13 @@ mod tests {
             assert_eq!(shared.encoded_len(), expected.len(), "case {i}");
             assert_eq!(shared.encode_to_vec(), expected, "case {i}");
         }
+    }
+
+    #[test]
+    fn paths_name_the_contracts_service() {
+        let service = pb::hook_service_server::SERVICE_NAME;
+        assert_eq!(ON_TOOL_RESULT, format!("/{service}/OnToolResult"));
+        assert_eq!(ON_MODEL_REQUEST, format!("/{service}/OnModelRequest"));
     }
 
     #[test]
