@@ -433,7 +433,7 @@ impl HookChain {
         let mut digest = audit.map(|a| a.digest.tool_result(&result));
         // What every hook's request carries around the result, encoded once;
         // the result is shared with each request, not copied into it.
-        let around = wire::Around::new(pb::OnToolResultRequest {
+        let around = wire::Around::tool_result(pb::OnToolResultRequest {
             context: Some(self.context(step)),
             tool_name: call.tool_name.to_owned(),
             tool_use_id: call.tool_use_id.to_owned(),
@@ -444,7 +444,7 @@ impl HookChain {
         });
         let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
-            let request = around.with(result.clone());
+            let request = around.with_result(result.clone());
             let mut grpc = hook.grpc.clone();
             let send = |req| async move { wire::unary(&mut grpc, wire::ON_TOOL_RESULT, req).await };
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
@@ -525,13 +525,14 @@ impl HookChain {
         // What every hook's request carries around the system prompt and
         // the messages, encoded once; the messages in protobuf are shared
         // with each request, and converted again only after a replacement.
-        let around = wire::TurnAround::new(pb::OnModelRequestRequest { omitted_messages: omitted as u32, ..base });
+        let around =
+            wire::Around::model_request(pb::OnModelRequestRequest { omitted_messages: omitted as u32, ..base });
         let mut messages = Arc::new(messages);
         let audit = step.scope.audit.as_deref();
         let mut digest = audit.map(|a| a.digest.model_request(&request));
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
-            let pb_request = around.with(&request.system, messages.clone());
+            let pb_request = around.with_messages(&request.system, messages.clone());
             let mut grpc = hook.grpc.clone();
             let send = |req| async move { wire::unary(&mut grpc, wire::ON_MODEL_REQUEST, req).await };
             let subject = HookSubject::Turn(step.turn);

@@ -35,7 +35,8 @@ const BLOCK_IS_ERROR: u32 = 3;
 /// `TextBlock.text`.
 const TEXT: u32 = 1;
 
-/// The encoded fields of one result's requests before and after `result`.
+/// The encoded fields of a chain's requests before and after the value
+/// each hook is given (the same for every hook of the chain).
 pub(super) struct Around {
     before: Vec<u8>,
     after: Vec<u8>,
@@ -43,7 +44,7 @@ pub(super) struct Around {
 
 impl Around {
     /// Encodes `request`'s fields but its `result` (which is ignored).
-    pub(super) fn new(mut request: pb::OnToolResultRequest) -> Arc<Around> {
+    pub(super) fn tool_result(mut request: pb::OnToolResultRequest) -> Arc<Around> {
         request.result = None;
         // Fields 6 and 7 follow the result; 1 to 4 precede it.
         let after = pb::OnToolResultRequest {
@@ -54,9 +55,31 @@ impl Around {
         Arc::new(Around { before: request.encode_to_vec(), after: after.encode_to_vec() })
     }
 
-    /// The request that carries `result`.
-    pub(super) fn with(self: &Arc<Self>, result: Arc<ToolResult>) -> ToolResultRequest {
+    /// Encodes `request`'s fields but `system` and `messages` (ignored).
+    pub(super) fn model_request(mut request: pb::OnModelRequestRequest) -> Arc<Around> {
+        request.system.clear();
+        request.messages.clear();
+        // Fields 4 and 5 follow the messages; 1 precedes the system prompt.
+        let after = pb::OnModelRequestRequest {
+            tools: std::mem::take(&mut request.tools),
+            omitted_messages: std::mem::take(&mut request.omitted_messages),
+            ..Default::default()
+        };
+        Arc::new(Around { before: request.encode_to_vec(), after: after.encode_to_vec() })
+    }
+
+    /// The OnToolResult request that carries `result`.
+    pub(super) fn with_result(self: &Arc<Self>, result: Arc<ToolResult>) -> ToolResultRequest {
         ToolResultRequest { around: self.clone(), result }
+    }
+
+    /// The OnModelRequest request that carries `system` and `messages`.
+    pub(super) fn with_messages(
+        self: &Arc<Self>,
+        system: &str,
+        messages: Arc<Vec<apb::Message>>,
+    ) -> ModelRequestRequest {
+        ModelRequestRequest { around: self.clone(), system: system.to_owned(), messages }
     }
 }
 
@@ -158,37 +181,10 @@ const SYSTEM: u32 = 2;
 /// `OnModelRequestRequest.messages`.
 const MESSAGES: u32 = 3;
 
-/// The encoded fields of one turn's OnModelRequest requests around
-/// `system` and `messages`.
-pub(super) struct TurnAround {
-    before: Vec<u8>,
-    after: Vec<u8>,
-}
-
-impl TurnAround {
-    /// Encodes `request`'s fields but `system` and `messages` (ignored).
-    pub(super) fn new(mut request: pb::OnModelRequestRequest) -> Arc<TurnAround> {
-        request.system.clear();
-        request.messages.clear();
-        // Fields 4 and 5 follow the messages; 1 precedes the system prompt.
-        let after = pb::OnModelRequestRequest {
-            tools: std::mem::take(&mut request.tools),
-            omitted_messages: std::mem::take(&mut request.omitted_messages),
-            ..Default::default()
-        };
-        Arc::new(TurnAround { before: request.encode_to_vec(), after: after.encode_to_vec() })
-    }
-
-    /// The request that carries `system` and `messages`.
-    pub(super) fn with(self: &Arc<Self>, system: &str, messages: Arc<Vec<apb::Message>>) -> ModelRequestRequest {
-        ModelRequestRequest { around: self.clone(), system: system.to_owned(), messages }
-    }
-}
-
 /// An OnModelRequest request (see the module docs). Only ever encoded.
 #[derive(Clone)]
 pub(super) struct ModelRequestRequest {
-    around: Arc<TurnAround>,
+    around: Arc<Around>,
     system: String,
     messages: Arc<Vec<apb::Message>>,
 }
@@ -297,7 +293,7 @@ mod tests {
         for (i, result) in results.iter().enumerate() {
             for error in [false, true] {
                 let expected = request(Some(result), error).encode_to_vec();
-                let shared = Around::new(request(None, error)).with(Arc::new(result.clone()));
+                let shared = Around::tool_result(request(None, error)).with_result(Arc::new(result.clone()));
                 assert_eq!(shared.encoded_len(), expected.len(), "result {i}, error {error}");
                 assert_eq!(shared.encode_to_vec(), expected, "result {i}, error {error}");
             }
@@ -307,9 +303,10 @@ mod tests {
     #[test]
     fn a_request_whose_result_was_left_in_is_sent_without_it_around() {
         let result = ToolResult::text("toolu_1", "old", false);
-        let around = Around::new(request(Some(&result), false));
+        let around = Around::tool_result(request(Some(&result), false));
         let new = ToolResult::text("toolu_1", "new", false);
-        let decoded = pb::OnToolResultRequest::decode(around.with(Arc::new(new.clone())).encode_to_vec().as_slice());
+        let decoded =
+            pb::OnToolResultRequest::decode(around.with_result(Arc::new(new.clone())).encode_to_vec().as_slice());
         assert_eq!(decoded.unwrap().result, Some(apb::ToolResultBlock::from(&new)));
     }
 
@@ -356,7 +353,8 @@ mod tests {
         ];
         for (i, (system, messages)) in cases.into_iter().enumerate() {
             let expected = model_request(system, messages.clone()).encode_to_vec();
-            let shared = TurnAround::new(model_request("ignored", vec![])).with(system, Arc::new(messages));
+            let shared =
+                Around::model_request(model_request("ignored", vec![])).with_messages(system, Arc::new(messages));
             assert_eq!(shared.encoded_len(), expected.len(), "case {i}");
             assert_eq!(shared.encode_to_vec(), expected, "case {i}");
         }
@@ -372,11 +370,13 @@ mod tests {
     #[test]
     fn debug_shows_no_content() {
         let result = ToolResult::text("toolu_1", "secret-value", false);
-        let shown = format!("{:?}", Around::new(request(None, false)).with(Arc::new(result)));
+        let shown = format!("{:?}", Around::tool_result(request(None, false)).with_result(Arc::new(result)));
         assert!(!shown.contains("secret-value"), "{shown}");
         let messages = crate::convert::messages_to_pb(&[crate::domain::Message::user_text("secret-value")]);
-        let shown =
-            format!("{:?}", TurnAround::new(model_request("", vec![])).with("secret-system", Arc::new(messages)));
+        let shown = format!(
+            "{:?}",
+            Around::model_request(model_request("", vec![])).with_messages("secret-system", Arc::new(messages))
+        );
         assert!(!shown.contains("secret-value") && !shown.contains("secret-system"), "{shown}");
     }
 }

@@ -214,7 +214,7 @@ impl tower::Service<http::Request<Body>> for Peer {
                 None => (None, None),
             };
             // Kept for a retry: a unary request is one message, encoded once.
-            let body = whole(body).await?;
+            let body = body.collect().await?.to_bytes();
             // The addresses whose attempt went unsent (filled on a retry only).
             let mut tried = Vec::new();
             let mut attempts = 0;
@@ -286,27 +286,6 @@ fn rebuild(parts: &http::request::Parts, body: Bytes) -> http::Request<Bytes> {
     *request.version_mut() = parts.version;
     *request.headers_mut() = parts.headers.clone();
     request
-}
-
-/// A request body read whole. A unary gRPC request is one DATA frame (the
-/// encoded message with its prefix), which is returned as it is; more
-/// frames are joined.
-async fn whole(mut body: Body) -> Result<Bytes, BoxError> {
-    let mut first: Option<Bytes> = None;
-    let mut rest: Vec<u8> = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else { continue };
-        match &first {
-            None => first = Some(data),
-            Some(f) => {
-                if rest.is_empty() {
-                    rest.extend_from_slice(f);
-                }
-                rest.extend_from_slice(&data);
-            }
-        }
-    }
-    Ok(if rest.is_empty() { first.unwrap_or_default() } else { Bytes::from(rest) })
 }
 
 /// One attempt on one address.
