@@ -170,11 +170,17 @@ impl Direct {
         let mut sender = sender.ready().await.map_err(NotWritten)?;
         let empty = body.is_empty();
         let (response, mut stream) = sender.send_request(request, empty).map_err(NotWritten)?;
-        if !empty {
-            // Queued with the headers; the connection writes both at once.
-            stream.send_data(body, true)?;
-        }
-        let response = response.await?;
+        // Queued with the headers; the connection writes both at once.
+        let sent = if empty { Ok(()) } else { stream.send_data(body, true) };
+        // On a multi-threaded runtime the connection may already have
+        // written the headers and taken the service's answer, sent without
+        // reading the body (a router's UNIMPLEMENTED closes the stream):
+        // then that answer is the call's, not the refused body.
+        let response = match (response.await, sent) {
+            (Ok(response), _) => response,
+            (Err(_), Err(refused)) => return Err(refused.into()),
+            (Err(e), Ok(())) => return Err(e.into()),
+        };
         Ok(response.map(|recv| Body::new(Received { recv, data_done: false })))
     }
 }
