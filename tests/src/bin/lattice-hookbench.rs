@@ -28,7 +28,7 @@
 //!
 //! ```text
 //! cargo build --release -p lattice-server --bin lattice -p lattice-tests --bins
-//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-env K=V] [--only latency,throughput,payloads] [--secs 2]
+//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-env K=V] [--only latency,throughput,payloads] [--secs 2] [--clients 1,8,64]
 //! ```
 
 use std::{
@@ -104,6 +104,16 @@ fn cpu(pid: u32) -> Duration {
     let f: Vec<u64> = rest.split_whitespace().map(|v| v.parse().unwrap_or(0)).collect();
     // utime and stime are fields 14 and 15 of the whole line: 12 and 13 here.
     let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    Duration::from_secs_f64(ticks as f64 / USER_HZ)
+}
+
+/// The machine's idle time so far, all cores together (`/proc/stat`:
+/// idle and iowait).
+fn idle() -> Duration {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let line = stat.lines().next().unwrap_or("");
+    let f: Vec<u64> = line.split_whitespace().skip(1).map(|v| v.parse().unwrap_or(0)).collect();
+    let ticks = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
     Duration::from_secs_f64(ticks as f64 / USER_HZ)
 }
 
@@ -288,6 +298,10 @@ async fn main() {
     let only = arg("--only");
     // Seconds each throughput measurement runs.
     let secs: f64 = arg("--secs").and_then(|v| v.parse().ok()).unwrap_or(2.0);
+    // `--clients 1,8` runs the throughput section at these client counts.
+    let client_counts: Vec<usize> = arg("--clients")
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).filter(|&n| n > 0).collect())
+        .unwrap_or_else(|| vec![1, 8, 64]);
     let section = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|s| s == name));
     let dir = std::env::temp_dir().join(format!("lattice-hookbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -476,12 +490,15 @@ async fn main() {
         // see the same machine (a shared host's speed drifts over seconds).
         let slices = (secs / 0.5).ceil().max(1.0) as usize;
         let slice = secs / slices as f64;
-        for clients in [1usize, 8, 64] {
+        for &clients in &client_counts {
             let (mut rpcs, mut rpc_secs, mut queries, mut query_secs) = (0.0, 0.0, 0.0, 0.0);
             // CPU during the bare slices (clients, the one hook) and the
             // Lattice slices (clients, Lattice, the peers).
             let (mut bare_cpu, mut query_cpu) = ([Duration::ZERO; 2], [Duration::ZERO; 3]);
+            // The machine's idle time during each side's slices.
+            let mut idle_in = [Duration::ZERO; 2];
             for _ in 0..slices {
+                let idle_before = idle();
                 let before = [cpu(me), cpu(hooks[0].pid())];
                 let h = hook0.clone();
                 let req = request.clone();
@@ -496,6 +513,11 @@ async fn main() {
                 (rpcs, rpc_secs) = (rpcs + n, rpc_secs + took);
                 bare_cpu[0] += cpu(me) - before[0];
                 bare_cpu[1] += cpu(hooks[0].pid()) - before[1];
+                let idle_before = {
+                    let now = idle();
+                    idle_in[0] += now.saturating_sub(idle_before);
+                    now
+                };
                 let before = [cpu(me), cpu(lattice_pid), cpu_of(&peers)];
                 let c = three.clone();
                 let (n, took) = throughput(clients, slice, move |_| {
@@ -509,6 +531,7 @@ async fn main() {
                 query_cpu[0] += cpu(me) - before[0];
                 query_cpu[1] += cpu(lattice_pid) - before[1];
                 query_cpu[2] += cpu_of(&peers) - before[2];
+                idle_in[1] += idle().saturating_sub(idle_before);
             }
             let (rps, qps) = (rpcs / rpc_secs, queries / query_secs);
             let ceiling = rps / 4.0;
@@ -525,6 +548,14 @@ async fn main() {
                 per(query_cpu[1], queries),
                 per(query_cpu[2], queries),
                 per(query_cpu[2], queries * 4.0),
+            );
+            // How much of the machine was idle: a side that leaves cores
+            // idle is bound by waiting (wake-ups, a busy thread), not CPU.
+            let idle_pct = |i: Duration, took: f64| 100.0 * i.as_secs_f64() / (took * cores as f64);
+            println!(
+                "       machine idle: {:.0} % during bare, {:.0} % during Lattice",
+                idle_pct(idle_in[0], rpc_secs),
+                idle_pct(idle_in[1], query_secs)
             );
             let _ = writeln!(
                 csv,
