@@ -372,10 +372,17 @@ fn settings(e: Endpoint, connect_timeout: Duration) -> Endpoint {
 
 /// A `grpc-timeout` header value for `d`: microseconds while they fit the
 /// header's 8 digits, milliseconds beyond.
+///
+/// Marked never-indexed for HPACK: each call's value is new, and indexing
+/// it would evict the headers every call repeats (`:path`, `:authority`,
+/// `content-type`, `te`) from both sides' tables, so that they are sent
+/// and decoded in full again.
 pub(crate) fn grpc_timeout(d: Duration) -> http::HeaderValue {
     let us = d.as_micros();
     let text = if us < 100_000_000 { format!("{}u", us.max(1)) } else { format!("{}m", d.as_millis().min(99_999_999)) };
-    http::HeaderValue::try_from(text).unwrap_or_else(|_| http::HeaderValue::from_static("1m"))
+    let mut value = http::HeaderValue::try_from(text).unwrap_or_else(|_| http::HeaderValue::from_static("1m"));
+    value.set_sensitive(true);
+    value
 }
 
 #[cfg(test)]
@@ -394,6 +401,16 @@ mod tests {
         for bad in ["dns:///hook", "dns:///:1", "dns:///h:0", "dns:///h:x", "ftp://h", "http://", "hook:1"] {
             assert!(Target::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn grpc_timeouts_fit_the_header_and_stay_out_of_hpack_tables() {
+        let t = |d: Duration| grpc_timeout(d);
+        assert_eq!(t(Duration::from_micros(1500)).to_str().unwrap(), "1500u");
+        assert_eq!(t(Duration::ZERO).to_str().unwrap(), "1u");
+        assert_eq!(t(Duration::from_secs(100)).to_str().unwrap(), "100000m");
+        assert_eq!(t(Duration::from_secs(10_000_000)).to_str().unwrap(), "99999999m");
+        assert!(t(Duration::from_millis(3)).is_sensitive());
     }
 
     #[test]
