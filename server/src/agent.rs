@@ -561,19 +561,18 @@ impl Runtime {
     /// client in tool_use order. The first failure returns at once: dropping
     /// the calls still in flight cancels each tool RPC and hook call (their
     /// services see the stream reset), without waiting for slower siblings.
-    async fn run_tools(
-        &self,
-        agent: &Arc<AgentRuntime>,
-        ctx: &RunCtx,
+    async fn run_tools<'a>(
+        &'a self,
+        agent: &'a Arc<AgentRuntime>,
+        ctx: &'a RunCtx,
         turn: u32,
-        uses: &[ToolUse],
+        uses: &'a [ToolUse],
     ) -> Result<Vec<ToolResult>, AgentError> {
         // No side effects whose results could only be thrown away.
         if let Some(first) = uses.first() {
             agent.hooks.preflight_tool_results(&first.id)?;
         }
-        let mut calls = Vec::with_capacity(uses.len());
-        for (i, u) in uses.iter().enumerate() {
+        let call = |i: usize, u: &'a ToolUse| {
             let span = debug_span!(
                 target: crate::telemetry::SPAN_TARGET,
                 "tool_call",
@@ -583,8 +582,16 @@ impl Runtime {
                 outcome = tracing::field::Empty,
                 result_bytes = tracing::field::Empty,
             );
-            calls.push(self.run_tool(agent, ctx, turn, i, u, span.clone()).instrument(span));
+            self.run_tool(agent, ctx, turn, i, u, span.clone()).instrument(span)
+        };
+        // One call (the usual reply) is awaited as it is: no set of
+        // futures to move it into, and its wake-ups reach this task directly.
+        if let [only] = uses {
+            let (_, (result, outcome, duration)) = call(0, only).await?;
+            self.release_result(agent, ctx, turn, only, &result, outcome, duration).await?;
+            return Ok(vec![result]);
         }
+        let calls = uses.iter().enumerate().map(|(i, u)| call(i, u)).collect();
         let mut ordered = ordered::InOrder::new(calls, agent.def.parallel_tool_calls);
         let mut results = Vec::with_capacity(uses.len());
         while let Some(done) = ordered.next().await {
