@@ -8,8 +8,10 @@ use lattice_server::{client, config, example_tools, hookcheck, logging, peer::Tl
 use tokio::net::TcpListener;
 
 /// mimalloc: a query's many small, short-lived allocations (frames, header
-/// maps, messages) cost a fraction of glibc's, and freed memory goes back
-/// to the system without per-thread arenas keeping it.
+/// maps, messages) cost a fraction of glibc's, and no per-thread arena keeps
+/// what a large query freed. With `MIMALLOC_PURGE_DELAY=0` (deploy/'s image
+/// sets it) freed pages go back to the system at once; by default mimalloc
+/// waits a second, and only later allocations end the wait.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
