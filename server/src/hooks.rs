@@ -241,9 +241,9 @@ struct Hook {
     endpoint: String,
     events: HookEvents,
     deadline: Duration,
-    /// Its calls, with requests encoded from shared values (see [`wire`]).
-    grpc: tonic::client::Grpc<Peer>,
     peer: Peer,
+    /// The largest reply it may send.
+    max_reply: usize,
     /// Whether Lattice is ready only while this hook has a ready address.
     required: bool,
     /// Its calls' metrics, per event ([`HookEvent::index`]), made once.
@@ -305,9 +305,7 @@ impl HookChain {
                     metrics.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels, OUTCOMES)
                 });
                 Hook {
-                    grpc: tonic::client::Grpc::new(peer.clone())
-                        .max_decoding_message_size(max_message_bytes)
-                        .max_encoding_message_size(max_message_bytes),
+                    max_reply: max_message_bytes,
                     name: d.name,
                     endpoint: d.endpoint,
                     events: d.events,
@@ -445,8 +443,7 @@ impl HookChain {
         let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
             let request = around.with_result(result.clone());
-            let mut grpc = hook.grpc.clone();
-            let send = |req| async move { wire::unary(&mut grpc, wire::ON_TOOL_RESULT, req).await };
+            let send = |req| wire::unary(hook.peer.clone(), wire::ON_TOOL_RESULT, req, hook.max_reply);
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
                 Some(r) if r.tool_use_id != call.tool_use_id => {
@@ -533,8 +530,7 @@ impl HookChain {
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
             let pb_request = around.with_messages(&request.system, messages.clone());
-            let mut grpc = hook.grpc.clone();
-            let send = |req| async move { wire::unary(&mut grpc, wire::ON_MODEL_REQUEST, req).await };
+            let send = |req| wire::unary(hook.peer.clone(), wire::ON_MODEL_REQUEST, req, hook.max_reply);
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
             let event = HookEvent::ModelRequest;

@@ -272,3 +272,168 @@ async fn every_address_refusing_fails_unavailable_then_at_once() {
     assert!(matches!(out, Err(ChainError::Hook(ref e)) if e.failure == HookFailure::Unavailable), "{out:?}");
     assert_eq!(took, Duration::ZERO);
 }
+
+/// A reply as a hook (or a proxy in front of one) might send it, frame by
+/// frame.
+#[derive(Clone, Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(&'static str, &'static str)>,
+    /// DATA frames, raw (prefix included).
+    data: Vec<Vec<u8>>,
+    /// `None`: the stream ends with the last DATA frame (or the headers).
+    trailers: Option<Vec<(&'static str, &'static str)>>,
+}
+
+/// A channel to a raw HTTP/2 service that reads each request and sends
+/// `reply`.
+fn replying(reply: Reply) -> Channel {
+    let connect = tower::service_fn(move |_| {
+        let reply = reply.clone();
+        async move {
+            let (client, server) = tokio::io::duplex(1 << 20);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(server).await else { return };
+                while let Some(Ok((request, mut respond))) = conn.accept().await {
+                    let reply = reply.clone();
+                    tokio::spawn(async move {
+                        let mut body = request.into_body();
+                        while let Some(Ok(data)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(data.len());
+                        }
+                        let mut head = http::Response::builder().status(reply.status);
+                        for (k, v) in &reply.headers {
+                            head = head.header(*k, *v);
+                        }
+                        let ends_now = reply.data.is_empty() && reply.trailers.is_none();
+                        let Ok(mut send) = respond.send_response(head.body(()).unwrap(), ends_now) else { return };
+                        let last = reply.data.len();
+                        for (i, frame) in reply.data.into_iter().enumerate() {
+                            let end = i + 1 == last && reply.trailers.is_none();
+                            let _ = send.send_data(frame.into(), end);
+                        }
+                        if let Some(trailers) = reply.trailers {
+                            let mut map = http::HeaderMap::new();
+                            for (k, v) in trailers {
+                                map.insert(http::HeaderName::from_static(k), http::HeaderValue::from_static(v));
+                            }
+                            let _ = send.send_trailers(map);
+                        }
+                    });
+                }
+            });
+            Ok::<_, std::io::Error>(TokioIo::new(client))
+        }
+    });
+    Endpoint::from_static("http://in-process").connect_with_connector_lazy(connect)
+}
+
+/// `message` framed as gRPC sends it, with compression flag `flag`.
+fn framed(flag: u8, message: &[u8]) -> Vec<u8> {
+    let mut out = vec![flag];
+    out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    out.extend_from_slice(message);
+    out
+}
+
+/// Hook replies are read by Lattice's own unary call, not tonic's client:
+/// for every way a reply can be right or wrong, the outcome (the message,
+/// or the status code and whether it came with a transport source) is the
+/// one tonic's unary client gives, which `classify` was built on.
+#[tokio::test]
+async fn hook_replies_read_as_tonic_reads_them() {
+    use prost::Message as _;
+
+    let reply = pb::OnToolResultResponse {
+        result: Some(lattice_proto::agent::v1::ToolResultBlock {
+            tool_use_id: "t1".into(),
+            content: vec![lattice_proto::agent::v1::TextBlock { text: "redacted".into() }],
+            is_error: false,
+        }),
+    }
+    .encode_to_vec();
+    let other = pb::OnToolResultResponse { result: None }.encode_to_vec();
+    let ok_head = || vec![("content-type", "application/grpc")];
+    let ok_trailers = || Some(vec![("grpc-status", "0")]);
+    let case = |data: Vec<Vec<u8>>, trailers| Reply { status: 200, headers: ok_head(), data, trailers };
+    let limit = 64;
+    let cases: Vec<(&str, Reply)> = vec![
+        ("one message", case(vec![framed(0, &reply)], ok_trailers())),
+        (
+            "split over frames",
+            case(vec![framed(0, &reply)[..3].to_vec(), framed(0, &reply)[3..].to_vec()], ok_trailers()),
+        ),
+        ("two messages", case(vec![framed(0, &reply), framed(0, &other)], ok_trailers())),
+        ("an empty message", case(vec![framed(0, &[])], ok_trailers())),
+        ("no message", case(vec![], ok_trailers())),
+        ("a status after the message", case(vec![framed(0, &reply)], Some(vec![("grpc-status", "13")]))),
+        ("a status, no message", case(vec![], Some(vec![("grpc-status", "9"), ("grpc-message", "no")]))),
+        ("no trailers", case(vec![framed(0, &reply)], None)),
+        ("cut mid-message", case(vec![framed(0, &reply)[..10].to_vec()], None)),
+        ("cut mid-message, then a status", case(vec![framed(0, &reply)[..10].to_vec()], ok_trailers())),
+        ("compressed flag", case(vec![framed(1, &reply)], ok_trailers())),
+        ("invalid flag", case(vec![framed(7, &reply)], ok_trailers())),
+        ("over the limit", case(vec![framed(0, &[b'x'; 65])], ok_trailers())),
+        ("does not decode", case(vec![framed(0, &[0xff, 0xff, 0xff])], ok_trailers())),
+        ("a second message that does not decode", case(vec![framed(0, &reply), framed(0, &[0xff])], ok_trailers())),
+        (
+            "trailers-only error",
+            Reply {
+                status: 200,
+                headers: vec![("content-type", "application/grpc"), ("grpc-status", "7")],
+                data: vec![],
+                trailers: None,
+            },
+        ),
+        (
+            "trailers-only OK",
+            Reply {
+                status: 200,
+                headers: vec![("content-type", "application/grpc"), ("grpc-status", "0")],
+                data: vec![],
+                trailers: None,
+            },
+        ),
+        (
+            "gzip",
+            Reply {
+                status: 200,
+                headers: vec![("content-type", "application/grpc"), ("grpc-encoding", "gzip")],
+                data: vec![framed(1, &reply)],
+                trailers: ok_trailers(),
+            },
+        ),
+        (
+            "identity",
+            Reply {
+                status: 200,
+                headers: vec![("content-type", "application/grpc"), ("grpc-encoding", "identity")],
+                data: vec![framed(0, &reply)],
+                trailers: ok_trailers(),
+            },
+        ),
+        ("a proxy's 503", Reply { status: 503, headers: vec![], data: vec![], trailers: None }),
+        ("a proxy's 404", Reply { status: 404, headers: vec![], data: vec![], trailers: None }),
+        ("a proxy's 401", Reply { status: 401, headers: vec![], data: vec![], trailers: None }),
+        ("a proxy's 500", Reply { status: 500, headers: vec![], data: vec![], trailers: None }),
+        (
+            "a 503 with a status",
+            Reply { status: 503, headers: vec![], data: vec![], trailers: Some(vec![("grpc-status", "14")]) },
+        ),
+    ];
+    type Outcome = Result<pb::OnToolResultResponse, (Code, bool)>;
+    let outcome = |r: Result<tonic::Response<pb::OnToolResultResponse>, tonic::Status>| -> Outcome {
+        r.map(tonic::Response::into_inner).map_err(|s| (s.code(), std::error::Error::source(&s).is_some()))
+    };
+    let request = || pb::OnToolResultRequest { tool_use_id: "t1".into(), ..Default::default() };
+    for (what, reply) in cases {
+        let peer = Peer::over_all(vec![replying(reply)]);
+        let ours =
+            outcome(wire::unary(peer.clone(), wire::ON_TOOL_RESULT, tonic::Request::new(request()), limit).await);
+        let mut grpc = tonic::client::Grpc::new(peer).max_decoding_message_size(limit);
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static(wire::ON_TOOL_RESULT);
+        let codec = lattice_proto::codec::LatticeCodec::<pb::OnToolResultRequest, pb::OnToolResultResponse>::default();
+        let theirs = outcome(grpc.unary(tonic::Request::new(request()), path, codec).await);
+        assert_eq!(ours, theirs, "{what}");
+    }
+}
