@@ -735,11 +735,12 @@ fn accept_model_request(reply: pb::OnModelRequestResponse) -> Result<(Option<Vec
 /// [`transport`]), never from the status message:
 /// - the hook sent this very non-OK code: `Status(code)` (DEADLINE_EXCEEDED
 ///   or CANCELLED sent as the call's deadline passes is `Deadline`);
-/// - tonic raised it from an error below gRPC (it carries a source: an I/O,
-///   hyper or h2 error): `Unavailable`;
-/// - tonic raised it itself, with no status from the hook: the reply broke
+/// - the call raised it from an error below gRPC (it carries a source: an
+///   I/O, hyper or h2 error): `Unavailable`;
+/// - the reply's reader (`wire::unary`, which reads a reply as tonic's
+///   client does) raised it, with no status from the hook: the reply broke
 ///   the protocol (does not decode, too large, ends early, no message):
-///   `InvalidReply`; except UNAVAILABLE, which tonic infers from an HTTP
+///   `InvalidReply`; except UNAVAILABLE, inferred from an HTTP 429 or
 ///   502/503/504 without a gRPC status (a proxy with no backend).
 fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -> HookFailure {
     let code = status.code();
