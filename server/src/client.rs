@@ -127,7 +127,9 @@ async fn connect(addr: &str, tls: Option<&crate::peer::Tls>) -> Result<tonic::tr
 /// connection failure is returned unprinted.
 pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<(), QueryError> {
     let channel = connect(&args.addr, args.tls.as_ref()).await?;
-    let mut client = AgentServiceClient::new(channel);
+    // Events are as large as the server's `max_message_bytes` allows, which
+    // this side doesn't know: no limit of its own (tonic's default is 4 MiB).
+    let mut client = AgentServiceClient::new(channel).max_decoding_message_size(usize::MAX);
     let mut request = tonic::Request::new(pb::QueryRequest {
         agent: args.agent,
         session_id: args.session,

@@ -215,3 +215,24 @@ async fn the_cli_queries_and_checks_configs() {
         "{stderr}"
     );
 }
+
+/// `lattice query` reads events as large as the server may send (its
+/// `max_message_bytes`), not only tonic's default 4 MiB: a 5 MiB reply is
+/// printed, not refused as OUT_OF_RANGE after the query has succeeded.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_prints_events_over_four_mib() {
+    let text = "x".repeat(5 << 20);
+    let config =
+        format!("[server]\nmax_message_bytes = {}\n", 16 << 20) + &cfg::agent("big", "") + &cfg::turn(&text, &[]);
+    let lattice = Lattice::start(&config).await;
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["query", "--addr", &lattice.url, "--agent", "big", "hi"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let tail = &stdout[stdout.len().saturating_sub(300)..];
+    assert!(out.status.success(), "{tail}");
+    assert!(stdout.contains(&text), "the reply is printed whole; the output ends: {tail}");
+    assert!(stdout.contains("✔ result (end_turn, 1 turn(s)"), "{tail}");
+}
