@@ -443,7 +443,7 @@ impl HookChain {
         let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
             let request = around.with_result(result.clone());
-            let send = |req| wire::unary(hook.peer.clone(), wire::ON_TOOL_RESULT, req, hook.max_reply);
+            let send = |req, len| wire::unary(hook.peer.clone(), wire::ON_TOOL_RESULT, req, len, hook.max_reply);
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
                 Some(r) if r.tool_use_id != call.tool_use_id => {
@@ -530,7 +530,7 @@ impl HookChain {
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
             let pb_request = around.with_messages(&request.system, messages.clone());
-            let send = |req| wire::unary(hook.peer.clone(), wire::ON_MODEL_REQUEST, req, hook.max_reply);
+            let send = |req, len| wire::unary(hook.peer.clone(), wire::ON_MODEL_REQUEST, req, len, hook.max_reply);
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
             let event = HookEvent::ModelRequest;
@@ -595,7 +595,8 @@ impl HookChain {
     ) -> Result<T, ChainError>
     where
         Req: prost::Message,
-        F: FnOnce(tonic::Request<Req>) -> Fut,
+        // The request and its encoded length (measured once, here).
+        F: FnOnce(tonic::Request<Req>, usize) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
         let started = Instant::now();
@@ -637,7 +638,7 @@ impl HookChain {
             // transparent retry too; see `peer`).
             request.extensions_mut().insert(CallDeadline::probed(call_deadline, probe.clone()));
             crate::telemetry::inject(&span, request.metadata_mut());
-            match tokio::time::timeout_at(call_deadline, send(request)).instrument(span.clone()).await {
+            match tokio::time::timeout_at(call_deadline, send(request, bytes)).instrument(span.clone()).await {
                 Err(_elapsed) => HookFailure::Deadline,
                 // Whatever ends the call once its deadline has come (a hook
                 // that enforces grpc-timeout may reset the stream at the same

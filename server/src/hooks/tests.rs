@@ -356,6 +356,12 @@ async fn hook_replies_read_as_tonic_reads_them() {
     let ok_head = || vec![("content-type", "application/grpc")];
     let ok_trailers = || Some(vec![("grpc-status", "0")]);
     let case = |data: Vec<Vec<u8>>, trailers| Reply { status: 200, headers: ok_head(), data, trailers };
+    // The same with one more response header.
+    let with = |header, data, trailers| {
+        let mut reply = case(data, trailers);
+        reply.headers.push(header);
+        reply
+    };
     let limit = 64;
     let cases: Vec<(&str, Reply)> = vec![
         ("one message", case(vec![framed(0, &reply)], ok_trailers())),
@@ -376,42 +382,10 @@ async fn hook_replies_read_as_tonic_reads_them() {
         ("over the limit", case(vec![framed(0, &[b'x'; 65])], ok_trailers())),
         ("does not decode", case(vec![framed(0, &[0xff, 0xff, 0xff])], ok_trailers())),
         ("a second message that does not decode", case(vec![framed(0, &reply), framed(0, &[0xff])], ok_trailers())),
-        (
-            "trailers-only error",
-            Reply {
-                status: 200,
-                headers: vec![("content-type", "application/grpc"), ("grpc-status", "7")],
-                data: vec![],
-                trailers: None,
-            },
-        ),
-        (
-            "trailers-only OK",
-            Reply {
-                status: 200,
-                headers: vec![("content-type", "application/grpc"), ("grpc-status", "0")],
-                data: vec![],
-                trailers: None,
-            },
-        ),
-        (
-            "gzip",
-            Reply {
-                status: 200,
-                headers: vec![("content-type", "application/grpc"), ("grpc-encoding", "gzip")],
-                data: vec![framed(1, &reply)],
-                trailers: ok_trailers(),
-            },
-        ),
-        (
-            "identity",
-            Reply {
-                status: 200,
-                headers: vec![("content-type", "application/grpc"), ("grpc-encoding", "identity")],
-                data: vec![framed(0, &reply)],
-                trailers: ok_trailers(),
-            },
-        ),
+        ("trailers-only error", with(("grpc-status", "7"), vec![], None)),
+        ("trailers-only OK", with(("grpc-status", "0"), vec![], None)),
+        ("gzip", with(("grpc-encoding", "gzip"), vec![framed(1, &reply)], ok_trailers())),
+        ("identity", with(("grpc-encoding", "identity"), vec![framed(0, &reply)], ok_trailers())),
         ("a proxy's 503", Reply { status: 503, headers: vec![], data: vec![], trailers: None }),
         ("a proxy's 404", Reply { status: 404, headers: vec![], data: vec![], trailers: None }),
         ("a proxy's 401", Reply { status: 401, headers: vec![], data: vec![], trailers: None }),
@@ -426,10 +400,11 @@ async fn hook_replies_read_as_tonic_reads_them() {
         r.map(tonic::Response::into_inner).map_err(|s| (s.code(), std::error::Error::source(&s).is_some()))
     };
     let request = || pb::OnToolResultRequest { tool_use_id: "t1".into(), ..Default::default() };
+    let len = request().encoded_len();
     for (what, reply) in cases {
         let peer = Peer::over_all(vec![replying(reply)]);
         let ours =
-            outcome(wire::unary(peer.clone(), wire::ON_TOOL_RESULT, tonic::Request::new(request()), limit).await);
+            outcome(wire::unary(peer.clone(), wire::ON_TOOL_RESULT, tonic::Request::new(request()), len, limit).await);
         let mut grpc = tonic::client::Grpc::new(peer).max_decoding_message_size(limit);
         let path = tonic::codegen::http::uri::PathAndQuery::from_static(wire::ON_TOOL_RESULT);
         let codec = lattice_proto::codec::LatticeCodec::<pb::OnToolResultRequest, pb::OnToolResultResponse>::default();

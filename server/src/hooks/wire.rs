@@ -239,8 +239,9 @@ pub(super) const ON_MODEL_REQUEST: &str = "/lattice.hooks.v1.HookService/OnModel
 /// The 5-byte prefix of a gRPC message: compressed flag and length.
 const PREFIX: usize = 5;
 
-/// One hook RPC at `path` with a request encoded from shared values,
-/// through `peer` (its retries, deadline and status probe).
+/// One hook RPC at `path` with a request encoded from shared values
+/// (`len` bytes, as the caller measured it for its size check), through
+/// `peer` (its retries, deadline and status probe).
 ///
 /// The request is framed here and the reply read here, as tonic's unary
 /// client reads one, without its per-call machinery (a codec stream, a
@@ -254,6 +255,7 @@ pub(super) async fn unary<Req, Resp>(
     mut peer: Peer,
     path: &'static str,
     request: tonic::Request<Req>,
+    len: usize,
     max_reply: usize,
 ) -> Result<tonic::Response<Resp>, Status>
 where
@@ -263,7 +265,6 @@ where
     use tower::Service as _;
 
     let (metadata, extensions, message) = request.into_parts();
-    let len = message.encoded_len();
     let len32 = u32::try_from(len).map_err(|_| Status::resource_exhausted("the request exceeds 4 GiB"))?;
     let mut framed = BytesMut::with_capacity(PREFIX + len);
     framed.put_u8(0);
