@@ -676,11 +676,37 @@ pub async fn bind() -> (TcpListener, SocketAddr) {
     (l, a)
 }
 
-/// A port nothing listens on (bound, then released).
+/// A loopback port held but not listening: connections to it are refused,
+/// and no other socket (another test's listener, or an outgoing connection
+/// that would otherwise pick it as its source port and connect to itself)
+/// can take it until [`Reserved::listen`] serves on it.
+pub struct Reserved {
+    socket: tokio::net::TcpSocket,
+    pub addr: SocketAddr,
+}
+
+impl Reserved {
+    /// Starts listening on the reserved port.
+    pub fn listen(self) -> TcpListener {
+        self.socket.listen(1024).unwrap()
+    }
+}
+
+/// Reserves a loopback port (see [`Reserved`]).
+pub fn reserve() -> Reserved {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    Reserved { socket, addr }
+}
+
+/// A port nothing listens on, held for the rest of the test process so
+/// that it stays refused.
 pub async fn dead_url() -> String {
-    let (l, a) = bind().await;
-    drop(l);
-    format!("http://{a}")
+    let reserved = reserve();
+    let url = format!("http://{}", reserved.addr);
+    std::mem::forget(reserved.socket);
+    url
 }
 
 /// The workspace root.

@@ -474,8 +474,8 @@ async fn a_long_session_is_read_in_pages() {
 /// without a restart.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tool_service_that_starts_later_is_discovered_later() {
-    let (listener, addr) = lattice_tests::bind().await;
-    drop(listener);
+    let port = lattice_tests::reserve();
+    let addr = port.addr;
     let config = "[server]\ntool_discovery_timeout_ms = 300\n".to_owned()
         + &cfg::agent("a", "")
         + &cfg::turn("go", &["t"])
@@ -492,8 +492,7 @@ async fn a_tool_service_that_starts_later_is_discovered_later() {
     assert_eq!(early.code(), Code::Unavailable, "{:?}", early.status);
     assert!(early.status.unwrap().message().contains("not ready"));
 
-    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-    let _tools = ToolServer::start_on(listener, vec![ToolDef::new("t", "late data")]).await;
+    let _tools = ToolServer::start_on(port.listen(), vec![ToolDef::new("t", "late data")]).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !lattice.serving().await {
         assert!(std::time::Instant::now() < deadline, "the late tool service was never discovered");
@@ -765,4 +764,20 @@ async fn worker_threads_sets_the_runtime_size() {
         assert!(logs.contains(&format!("\"worker_threads\":{n}")), "{logs}");
         assert!(logs.contains(&format!("\"runtime\":\"{flavor}\"")), "{logs}");
     }
+}
+
+/// The "starts later" tests hold their port while nothing serves it: a
+/// connection is refused, nothing else can bind it, and serving on it later
+/// takes connections.
+#[tokio::test]
+async fn a_reserved_port_refuses_until_it_listens() {
+    let port = lattice_tests::reserve();
+    let refused = tokio::net::TcpStream::connect(port.addr).await.unwrap_err();
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+    let taken = tokio::net::TcpListener::bind(port.addr).await.unwrap_err();
+    assert_eq!(taken.kind(), std::io::ErrorKind::AddrInUse);
+    let addr = port.addr;
+    let listener = port.listen();
+    let (connected, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    assert_eq!(connected.unwrap().local_addr().unwrap(), accepted.unwrap().1);
 }

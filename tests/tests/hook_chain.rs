@@ -458,16 +458,15 @@ async fn the_query_deadline_caps_the_hook_budget() {
 /// until it comes up, then work, without a restart.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hook_down_at_start_up_works_once_it_is_up() {
-    let (listener, addr) = lattice_tests::bind().await;
-    drop(listener);
+    let port = lattice_tests::reserve();
+    let addr = port.addr;
     let config = cfg::agent("x", "")
         + &cfg::turn("hi", &[])
         + &cfg::hook("h", &format!("http://{addr}"), &["model_request"], 500);
     let lattice = Lattice::start_unready(&config).await;
     assert!(!lattice.serving().await, "a required hook that is down: NOT_SERVING");
     assert_eq!(lattice.query("x", "hi").await.hook_failure()["kind"], "unavailable");
-    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
-    let hook = HookServer::start_on(listener, addr, appender("!")).await;
+    let hook = HookServer::start_on(port.listen(), addr, appender("!")).await;
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let out = lattice.query("x", "hi").await;

@@ -162,8 +162,8 @@ async fn readiness_follows_the_required_hooks() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hook_that_starts_later_is_waited_for() {
     let tools = ToolServer::start(vec![ToolDef::new("t", "data")]).await;
-    let (listener, hook_addr) = lattice_tests::bind().await;
-    drop(listener);
+    let port = lattice_tests::reserve();
+    let hook_addr = port.addr;
     let lattice = Lattice::start_unready(&agent(
         &tools.url,
         &cfg::hook("h", &format!("http://{hook_addr}"), &["tool_result"], 2000),
@@ -172,8 +172,7 @@ async fn a_hook_that_starts_later_is_waited_for() {
     tokio::time::sleep(HEALTH_EVERY).await;
     assert!(!lattice.serving().await, "NOT_SERVING while the required hook is not up");
     assert!(!agent_state(&lattice).await.ready);
-    let listener = tokio::net::TcpListener::bind(hook_addr).await.unwrap();
-    let _hook = HookServer::start_on(listener, hook_addr, redact()).await;
+    let _hook = HookServer::start_on(port.listen(), hook_addr, redact()).await;
     assert!(eventually(HEALTH_EVERY * 4, || async { lattice.serving().await }).await, "SERVING once the hook is up");
     assert!(agent_state(&lattice).await.ready);
     assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
