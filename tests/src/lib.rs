@@ -692,6 +692,23 @@ impl Reserved {
     }
 }
 
+/// Listens again on `addr`, a port a stopped server left. Clients still
+/// reconnecting to it may hold it for a moment (an outgoing connection can
+/// take a free port as its source and connect to itself until the HTTP/2
+/// handshake fails), so a busy port is tried again for a few seconds.
+pub async fn rebind(addr: SocketAddr) -> TcpListener {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match TcpListener::bind(addr).await {
+            Ok(listener) => return listener,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("cannot listen on {addr} again: {e}"),
+        }
+    }
+}
+
 /// Reserves a loopback port (see [`Reserved`]).
 pub fn reserve() -> Reserved {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();

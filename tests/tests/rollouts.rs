@@ -149,8 +149,7 @@ async fn readiness_follows_the_required_hooks() {
     assert!(relaxed.serving().await, "a hook with required = false leaves readiness alone");
     assert!(!agent_state(&relaxed).await.hooks[0].required);
 
-    let listener = tokio::net::TcpListener::bind(hook_addr).await.unwrap();
-    let _hook = HookServer::start_on(listener, hook_addr, redact()).await;
+    let _hook = HookServer::start_on(lattice_tests::rebind(hook_addr).await, hook_addr, redact()).await;
     assert!(eventually(HEALTH_EVERY * 4, || async { lattice.serving().await }).await, "SERVING with the hook back");
     assert_eq!(agent_state(&lattice).await.hooks[0].ready_addresses, 1);
     assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
