@@ -820,10 +820,22 @@ impl Drop for Child {
 /// Waits until something accepts TCP connections on `addr`.
 pub async fn wait_for_port(addr: SocketAddr, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(15);
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
+    while !listening(addr).await {
         assert!(Instant::now() < deadline, "{what} did not start listening on {addr}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// Whether something listens on `addr`. A connection to a port nobody
+/// listens on can take that very port as its source and connect to itself
+/// (TCP's simultaneous open); that is not a listener.
+async fn listening(addr: SocketAddr) -> bool {
+    tokio::net::TcpStream::connect(addr).await.is_ok_and(|stream| reached_a_listener(&stream))
+}
+
+/// Whether a connection reached another socket, not itself.
+pub fn reached_a_listener(stream: &tokio::net::TcpStream) -> bool {
+    stream.local_addr().ok() != stream.peer_addr().ok()
 }
 
 /// Starts a hook example binary (`redact`, `truncate`, `audit`) on a free

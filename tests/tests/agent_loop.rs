@@ -781,3 +781,18 @@ async fn a_reserved_port_refuses_until_it_listens() {
     let (connected, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
     assert_eq!(connected.unwrap().local_addr().unwrap(), accepted.unwrap().1);
 }
+
+/// A connection to a port nobody listens on can connect to itself; waiting
+/// for a service's port does not take that for the service.
+#[tokio::test]
+async fn a_connection_to_itself_is_no_listener() {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    let stream = socket.connect(addr).await.expect("a simultaneous open with itself");
+    assert_eq!(stream.peer_addr().unwrap(), addr);
+    assert!(!lattice_tests::reached_a_listener(&stream));
+    let (listener, addr) = lattice_tests::bind().await;
+    let (stream, _) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    assert!(lattice_tests::reached_a_listener(&stream.unwrap()));
+}
