@@ -846,28 +846,47 @@ pub async fn start_example(name: &str, args: &[&str]) -> (String, Child) {
 
 /// [`start_example`] with extra environment variables.
 pub async fn start_example_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> (String, Child) {
-    example(name, args, env, std::process::Stdio::null()).await
+    example(name, args, env, std::process::Stdio::null).await
 }
 
 /// [`start_example`], its log lines (stderr) written to `log`.
 pub async fn start_example_logging(name: &str, args: &[&str], log: &Path) -> (String, Child) {
-    example(name, args, &[], std::fs::File::create(log).expect("the example's log file").into()).await
+    example(name, args, &[], || std::fs::File::create(log).expect("the example's log file").into()).await
 }
 
-async fn example(name: &str, args: &[&str], env: &[(&str, &str)], stderr: std::process::Stdio) -> (String, Child) {
-    let (l, addr) = bind().await;
-    drop(l);
-    let child = tokio::process::Command::new(workspace_binary(&format!("examples/{name}")))
-        .arg("--listen")
-        .arg(addr.to_string())
-        .args(args)
-        .envs(env.iter().copied())
-        .kill_on_drop(true)
-        .stderr(stderr)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"));
-    wait_for_port(addr, name).await;
-    (format!("http://{addr}"), Child(child))
+async fn example(
+    name: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    stderr: impl Fn() -> std::process::Stdio,
+) -> (String, Child) {
+    // The port is free when chosen but may be taken before the example binds
+    // it; an example that exits at start-up is started again on another.
+    for _ in 0..3 {
+        let (l, addr) = bind().await;
+        drop(l);
+        let mut child = tokio::process::Command::new(workspace_binary(&format!("examples/{name}")))
+            .arg("--listen")
+            .arg(addr.to_string())
+            .args(args)
+            .envs(env.iter().copied())
+            .kill_on_drop(true)
+            .stderr(stderr())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if listening(addr).await {
+                return (format!("http://{addr}"), Child(child));
+            }
+            if child.try_wait().ok().flatten().is_some() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{name} did not start listening on {addr}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+    panic!("the {name} example exited at start-up three times")
 }
 
 /// Serves the shipped example tool service (customer lookup) in-process.
