@@ -819,8 +819,20 @@ impl Drop for Child {
 
 /// Waits until something accepts TCP connections on `addr`.
 pub async fn wait_for_port(addr: SocketAddr, what: &str) {
+    wait_for_listener(addr, what, || false).await;
+}
+
+/// Waits until something listens on `addr` (true), or until `gone` says
+/// the process that was to listen has exited (false).
+async fn wait_for_listener(addr: SocketAddr, what: &str, mut gone: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + Duration::from_secs(15);
-    while !listening(addr).await {
+    loop {
+        if listening(addr).await {
+            return true;
+        }
+        if gone() {
+            return false;
+        }
         assert!(Instant::now() < deadline, "{what} did not start listening on {addr}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -863,8 +875,7 @@ async fn example(
     // The port is free when chosen but may be taken before the example binds
     // it; an example that exits at start-up is started again on another.
     for _ in 0..3 {
-        let (l, addr) = bind().await;
-        drop(l);
+        let addr = free_addr().await;
         let mut child = tokio::process::Command::new(workspace_binary(&format!("examples/{name}")))
             .arg("--listen")
             .arg(addr.to_string())
@@ -874,16 +885,8 @@ async fn example(
             .stderr(stderr())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run the {name} example: {e}"));
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if listening(addr).await {
-                return (format!("http://{addr}"), Child(child));
-            }
-            if child.try_wait().ok().flatten().is_some() {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{name} did not start listening on {addr}");
-            tokio::time::sleep(Duration::from_millis(25)).await;
+        if wait_for_listener(addr, name, || child.try_wait().ok().flatten().is_some()).await {
+            return (format!("http://{addr}"), Child(child));
         }
     }
     panic!("the {name} example exited at start-up three times")

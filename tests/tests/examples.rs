@@ -144,11 +144,7 @@ async fn the_cli_queries_and_checks_configs() {
         + &cfg::turn("found: {{last_tool_result}}", &[])
         + &cfg::tools(&tools, 5000);
     let lattice = Lattice::start(&config).await;
-    let out = tokio::process::Command::new(workspace_binary("lattice"))
-        .args(["query", "--addr", &lattice.url, "--agent", "support", "find Alan"])
-        .output()
-        .await
-        .unwrap();
+    let out = lattice_query(&lattice.url, "support", "find Alan").await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     for expected in [
@@ -161,11 +157,7 @@ async fn the_cli_queries_and_checks_configs() {
     ] {
         assert!(stdout.contains(expected), "missing {expected:?} in:\n{stdout}");
     }
-    let failed = tokio::process::Command::new(workspace_binary("lattice"))
-        .args(["query", "--addr", &lattice.url, "--agent", "nobody", "hi"])
-        .output()
-        .await
-        .unwrap();
+    let failed = lattice_query(&lattice.url, "nobody", "hi").await;
     assert!(!failed.status.success());
     assert!(String::from_utf8_lossy(&failed.stdout).contains("✘ NOT_FOUND"));
 
@@ -176,11 +168,7 @@ async fn the_cli_queries_and_checks_configs() {
         (dead.trim_start_matches("http://"), "http://127.0.0.1:50051"),
         ("http://", "URL"),
     ] {
-        let failed = tokio::process::Command::new(workspace_binary("lattice"))
-            .args(["query", "--addr", addr, "--agent", "support", "hi"])
-            .output()
-            .await
-            .unwrap();
+        let failed = lattice_query(addr, "support", "hi").await;
         let stderr = String::from_utf8_lossy(&failed.stderr);
         assert_eq!(failed.status.code(), Some(1), "{addr}: {stderr}");
         assert!(stderr.contains("lattice query: cannot reach") && stderr.contains(expected), "{addr}: {stderr}");
@@ -225,14 +213,19 @@ async fn the_cli_prints_events_over_four_mib() {
     let config =
         format!("[server]\nmax_message_bytes = {}\n", 16 << 20) + &cfg::agent("big", "") + &cfg::turn(&text, &[]);
     let lattice = Lattice::start(&config).await;
-    let out = tokio::process::Command::new(workspace_binary("lattice"))
-        .args(["query", "--addr", &lattice.url, "--agent", "big", "hi"])
-        .output()
-        .await
-        .unwrap();
+    let out = lattice_query(&lattice.url, "big", "hi").await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let tail = &stdout[stdout.len().saturating_sub(300)..];
     assert!(out.status.success(), "{tail}");
     assert!(stdout.contains(&text), "the reply is printed whole; the output ends: {tail}");
     assert!(stdout.contains("✔ result (end_turn, 1 turn(s)"), "{tail}");
+}
+
+/// Runs `lattice query --addr ADDR --agent AGENT PROMPT`.
+async fn lattice_query(addr: &str, agent: &str, prompt: &str) -> std::process::Output {
+    tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["query", "--addr", addr, "--agent", agent, prompt])
+        .output()
+        .await
+        .unwrap()
 }

@@ -306,7 +306,8 @@ fn replying(reply: Reply) -> Channel {
                             head = head.header(*k, *v);
                         }
                         let ends_now = reply.data.is_empty() && reply.trailers.is_none();
-                        let Ok(mut send) = respond.send_response(head.body(()).unwrap(), ends_now) else { return };
+                        let Ok(head) = head.body(()) else { return };
+                        let Ok(mut send) = respond.send_response(head, ends_now) else { return };
                         let last = reply.data.len();
                         for (i, frame) in reply.data.into_iter().enumerate() {
                             let end = i + 1 == last && reply.trailers.is_none();

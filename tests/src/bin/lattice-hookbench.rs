@@ -513,11 +513,8 @@ async fn main() {
                 (rpcs, rpc_secs) = (rpcs + n, rpc_secs + took);
                 bare_cpu[0] += cpu(me) - before[0];
                 bare_cpu[1] += cpu(hooks[0].pid()) - before[1];
-                let idle_before = {
-                    let now = idle();
-                    idle_in[0] += now.saturating_sub(idle_before);
-                    now
-                };
+                let idle_between = idle();
+                idle_in[0] += idle_between.saturating_sub(idle_before);
                 let before = [cpu(me), cpu(lattice_pid), cpu_of(&peers)];
                 let c = three.clone();
                 let (n, took) = throughput(clients, slice, move |_| {
@@ -531,7 +528,7 @@ async fn main() {
                 query_cpu[0] += cpu(me) - before[0];
                 query_cpu[1] += cpu(lattice_pid) - before[1];
                 query_cpu[2] += cpu_of(&peers) - before[2];
-                idle_in[1] += idle().saturating_sub(idle_before);
+                idle_in[1] += idle().saturating_sub(idle_between);
             }
             let (rps, qps) = (rpcs / rpc_secs, queries / query_secs);
             let ceiling = rps / 4.0;
