@@ -5,7 +5,9 @@
 //! - [`tools::v1`]: `lattice.tools.v1.ToolService`, implemented by tool services.
 //!
 //! [`codec`] is the services' codec: prost's, with a request that does not
-//! decode answered INVALID_ARGUMENT.
+//! decode answered INVALID_ARGUMENT. [`gather`] holds the small writes of an
+//! HTTP/2 connection so that they leave together (Lattice's connections and
+//! the hook SDK's use it).
 //!
 //! [`FILE_DESCRIPTOR_SET`] holds the encoded descriptors of all three, for
 //! server reflection; [`ERROR_DETAILS_DESCRIPTOR_SET`] those of the standard
@@ -13,6 +15,7 @@
 #![allow(missing_docs, clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
 pub mod codec;
+pub mod gather;
 
 /// `lattice.agent.*`
 pub mod agent {

@@ -19,10 +19,13 @@
 //!   read). Nothing waits longer than one turn of the runtime's queue,
 //!   which is what lets the events of concurrent queries share writes.
 //!
-//! Large writes are not copied: from [`PASS_THROUGH`] bytes on, what is
+//! Large writes are not copied: from
+//! [`PASS_THROUGH`](lattice_proto::gather::PASS_THROUGH) bytes on, what is
 //! gathered is written first and the large write goes to the socket as it
 //! is, so a large message costs no more memory than before; at most
-//! [`GATHER_LIMIT`] bytes are held before they are written anyway.
+//! [`GATHER_LIMIT`](lattice_proto::gather::GATHER_LIMIT) bytes are held
+//! before they are written anyway (see [`WriteBuffer`], which the hook
+//! SDK's connections use too).
 
 use std::{
     io::{self, IoSlice},
@@ -31,6 +34,8 @@ use std::{
     task::{Context, Poll, ready},
 };
 
+use lattice_proto::gather::WriteBuffer;
+
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{
@@ -38,85 +43,6 @@ use tokio::{
         tcp::{OwnedReadHalf, OwnedWriteHalf},
     },
 };
-
-/// Writes of at least this many bytes are not copied into the gathered
-/// bytes: a large message's DATA frames (16 KiB, HTTP/2's default frame
-/// size) go out as h2 wrote them, without a copy and without a buffer of
-/// their size held per connection.
-pub(crate) const PASS_THROUGH: usize = 16 * 1024;
-
-/// The most bytes gathered before they are written without waiting (and
-/// the most a connection's buffer keeps between writes).
-pub(crate) const GATHER_LIMIT: usize = 64 * 1024;
-
-/// Bytes waiting to be written, and a write of them that failed.
-#[derive(Debug, Default)]
-struct Buffer {
-    bytes: Vec<u8>,
-    /// A write of the gathered bytes failed outside a write call (the
-    /// drain): the next write reports it, so that h2 fails the connection's
-    /// calls as for any broken socket.
-    failed: Option<io::ErrorKind>,
-}
-
-impl Buffer {
-    fn check(&self) -> io::Result<()> {
-        match self.failed {
-            Some(kind) => Err(kind.into()),
-            None => Ok(()),
-        }
-    }
-
-    /// Writes the gathered bytes to `w`; pending while the socket is full
-    /// (the task is woken when it can take more).
-    fn poll_drain<W: AsyncWrite + Unpin>(&mut self, w: &mut W, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while !self.bytes.is_empty() {
-            let n = ready!(Pin::new(&mut *w).poll_write(cx, &self.bytes))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            if n == self.bytes.len() {
-                self.bytes.clear();
-            } else {
-                self.bytes.drain(..n);
-            }
-        }
-        // A burst of large writes leaves no large buffer behind.
-        if self.bytes.capacity() > GATHER_LIMIT {
-            self.bytes = Vec::new();
-        }
-        Poll::Ready(Ok(()))
-    }
-
-    /// Gathers `bufs`, or writes them through to `w` after what was
-    /// gathered when they are large (see the module docs).
-    fn poll_write<W: AsyncWrite + Unpin>(
-        &mut self,
-        w: &mut W,
-        cx: &mut Context<'_>,
-        bufs: &[IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        self.check()?;
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        if total >= PASS_THROUGH || self.bytes.len() + total > GATHER_LIMIT {
-            // What came first goes first.
-            ready!(self.poll_drain(w, cx))?;
-        }
-        if total >= PASS_THROUGH {
-            return Pin::new(w).poll_write_vectored(cx, bufs);
-        }
-        for b in bufs {
-            self.bytes.extend_from_slice(b);
-        }
-        Poll::Ready(Ok(total))
-    }
-
-    fn poll_shutdown<W: AsyncWrite + Unpin>(&mut self, w: &mut W, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.check()?;
-        ready!(self.poll_drain(w, cx))?;
-        Pin::new(w).poll_shutdown(cx)
-    }
-}
 
 /// The IO handed to h2 for a hook or tool connection: reads go to the
 /// socket, writes are gathered until [`Drain::poll`].
@@ -137,13 +63,13 @@ pub(crate) struct Drain {
 #[derive(Debug)]
 struct Out {
     half: OwnedWriteHalf,
-    buffer: Buffer,
+    buffer: WriteBuffer,
 }
 
 /// Splits `stream` into the IO for h2 and its drain.
 pub(crate) fn cork(stream: TcpStream) -> (Corked, Drain) {
     let (read, half) = stream.into_split();
-    let out = Arc::new(Mutex::new(Out { half, buffer: Buffer::default() }));
+    let out = Arc::new(Mutex::new(Out { half, buffer: WriteBuffer::default() }));
     (Corked { read, out: out.clone() }, Drain { out })
 }
 
@@ -160,11 +86,11 @@ impl Drain {
     /// so that it finds it.
     pub(crate) fn poll(&self, cx: &mut Context<'_>) {
         let out = &mut *lock(&self.out);
-        if out.buffer.failed.is_some() {
+        if out.buffer.has_failed() {
             return;
         }
         if let Poll::Ready(Err(e)) = out.buffer.poll_drain(&mut out.half, cx) {
-            out.buffer = Buffer { bytes: Vec::new(), failed: Some(e.kind()) };
+            out.buffer.fail(e.kind());
             cx.waker().wake_by_ref();
         }
     }
@@ -213,7 +139,7 @@ impl AsyncWrite for Corked {
 #[derive(Debug)]
 pub(crate) struct Gathered<T> {
     io: T,
-    buffer: Buffer,
+    buffer: WriteBuffer,
     /// A flush found gathered bytes, woke the task and left them.
     waiting: bool,
     /// The task has been polled again since (h2 starts each poll of its
@@ -224,7 +150,7 @@ pub(crate) struct Gathered<T> {
 impl<T> Gathered<T> {
     /// Gathers the writes on `io`.
     pub(crate) fn new(io: T) -> Self {
-        Self { io, buffer: Buffer::default(), waiting: false, due: false }
+        Self { io, buffer: WriteBuffer::default(), waiting: false, due: false }
     }
 }
 
@@ -256,7 +182,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Gathered<T> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if !this.buffer.bytes.is_empty() && !this.due {
+        if !this.buffer.is_empty() && !this.due {
             // Written on the next poll: what other tasks queue until then
             // goes in the same write.
             if !this.waiting {
@@ -292,6 +218,8 @@ mod tests {
         io::{AsyncReadExt, AsyncWriteExt},
         net::TcpListener,
     };
+
+    use lattice_proto::gather::{GATHER_LIMIT, PASS_THROUGH};
 
     use super::*;
 
