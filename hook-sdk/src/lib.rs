@@ -33,6 +33,8 @@
 //! to let a value through.
 #![warn(missing_docs)]
 
+mod replies;
+
 use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use lattice_proto::hooks::v1::{
@@ -652,14 +654,22 @@ impl<H: Hook> Server<H> {
             tokio::time::sleep(drain).await;
             tracing::info!("drained: GOAWAY, finishing the calls in flight");
         };
-        server
+        let router = server
             .add_service(health_svc)
             .add_service(v1)
             .add_service(v1alpha)
-            .add_service(HookServer::new(hook).into_service_with_limit(max_message_bytes))
-            .serve_with_incoming_shutdown(incoming(listener), drained)
-            .await
-            .map_err(ServeError::Transport)
+            .add_service(HookServer::new(hook).into_service_with_limit(max_message_bytes));
+        let served = match tls {
+            // tonic wraps each connection in TLS itself: its bytes are records.
+            Some(_) => router.serve_with_incoming_shutdown(incoming(listener), drained).await,
+            // A reply in one write (see `replies`).
+            None => {
+                use tokio_stream::StreamExt as _;
+                let incoming = incoming(listener).map(|accepted| accepted.map(replies::Replies::new));
+                router.serve_with_incoming_shutdown(incoming, drained).await
+            }
+        };
+        served.map_err(ServeError::Transport)
     }
 }
 

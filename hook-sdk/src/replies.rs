@@ -1,0 +1,429 @@
+//! Served connections that send a reply in one write.
+//!
+//! h2 sends a DATA frame of 256 bytes or more without copying it, and
+//! flushes right after it, before it encodes the frames behind it. A unary
+//! reply with a message that large so left in two writes: its headers and
+//! message, then its trailers: two `sendto`s on the hook's side, and often
+//! two wake-ups of Lattice for one reply.
+//!
+//! [`Replies`] holds the bytes at that flush. When what was written since
+//! the last flush ends with such a DATA frame, of a stream that goes on,
+//! the flush returns without writing, and the bytes leave with the next
+//! one. That flush comes before the connection's task waits: h2 flushes
+//! after it has encoded every frame that was ready, and the flush after a
+//! large DATA frame is the one inside that loop. Only one flush in a row is
+//! held, and a flush with nothing written since the last one always
+//! writes, so a stream whose next message is not ready yet (a streaming
+//! reply) is not held back.
+//!
+//! Plaintext connections only: under TLS the bytes written are records,
+//! not frames.
+
+use std::{
+    io::{self, IoSlice},
+    pin::Pin,
+    task::{Context, Poll, ready},
+};
+
+use lattice_proto::gather::WriteBuffer;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// h2 sends DATA payloads from this size on without a copy, and flushes
+/// after each (its `CHAIN_THRESHOLD` on IO that writes vectored).
+const CHAINED: usize = 256;
+
+/// HTTP/2's frame header: length (3 bytes), type, flags, stream id.
+const HEADER: usize = 9;
+const DATA: u8 = 0;
+const END_STREAM: u8 = 0x1;
+
+/// Where the bytes written so far stand in HTTP/2's frames. A server sends
+/// no preface: its first bytes are a frame header.
+#[derive(Debug, Default)]
+struct Frames {
+    header: [u8; HEADER],
+    /// Bytes of the current frame header seen so far.
+    have: usize,
+    /// Payload bytes of the current frame still to come.
+    payload_left: usize,
+    /// The last frame whose header was seen: its length, type and flags.
+    last: (usize, u8, u8),
+}
+
+impl Frames {
+    fn see(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.payload_left > 0 {
+                let n = self.payload_left.min(bytes.len());
+                self.payload_left -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (HEADER - self.have).min(bytes.len());
+            self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+            self.have += n;
+            bytes = &bytes[n..];
+            if self.have == HEADER {
+                let h = self.header;
+                let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+                self.last = (len, h[3], h[4]);
+                self.payload_left = len;
+                self.have = 0;
+            }
+        }
+    }
+
+    /// What was written ends with a DATA frame that h2 sent without a copy,
+    /// and its stream goes on: h2 flushed for that frame alone, and is
+    /// about to encode what follows it.
+    fn ends_with_chained_data(&self) -> bool {
+        let (len, kind, flags) = self.last;
+        self.have == 0 && self.payload_left == 0 && kind == DATA && flags & END_STREAM == 0 && len >= CHAINED
+    }
+}
+
+/// A served connection whose flush after a large DATA frame is held for
+/// the frames behind it (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Replies<T> {
+    io: T,
+    buffer: WriteBuffer,
+    frames: Frames,
+    /// Bytes were written since the last flush.
+    wrote: bool,
+    /// The last flush was held.
+    held: bool,
+}
+
+impl<T> Replies<T> {
+    pub(crate) fn new(io: T) -> Self {
+        Self { io, buffer: WriteBuffer::default(), frames: Frames::default(), wrote: false, held: false }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Replies<T> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Replies<T> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        let taken = ready!(this.buffer.poll_write(&mut this.io, cx, bufs))?;
+        this.wrote |= taken > 0;
+        let mut left = taken;
+        for b in bufs {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(b.len());
+            this.frames.see(&b[..n]);
+            left -= n;
+        }
+        Poll::Ready(Ok(taken))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        let wrote = std::mem::take(&mut this.wrote);
+        if wrote && !this.held && !this.buffer.is_empty() && this.frames.ends_with_chained_data() {
+            this.held = true;
+            return Poll::Ready(Ok(()));
+        }
+        this.held = false;
+        ready!(this.buffer.poll_drain(&mut this.io, cx))?;
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        this.buffer.poll_shutdown(&mut this.io, cx)
+    }
+}
+
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Replies<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        future::poll_fn,
+        sync::{Arc, Mutex},
+    };
+
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+
+    /// Records each write that reaches it.
+    #[derive(Clone, Default)]
+    struct Recorder(Arc<Mutex<Vec<Vec<u8>>>>);
+
+    impl Recorder {
+        fn writes(&self) -> Vec<Vec<u8>> {
+            self.0.lock().map(|w| w.clone()).unwrap_or_default()
+        }
+    }
+
+    impl AsyncWrite for Recorder {
+        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            if let Ok(mut w) = self.0.lock() {
+                w.push(buf.to_vec());
+            }
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// A frame of `len` payload bytes.
+    fn frame(kind: u8, flags: u8, stream: u32, len: u32) -> Vec<u8> {
+        let l = len.to_be_bytes();
+        let mut f = vec![l[1], l[2], l[3], kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.resize(HEADER + len as usize, 7);
+        f
+    }
+
+    const HEADERS: u8 = 1;
+    const END_HEADERS: u8 = 0x4;
+
+    /// Writes `bytes` as h2 would: the whole slice, one write call.
+    async fn write(io: &mut Replies<Recorder>, bytes: &[u8]) {
+        let written = io.write_all(bytes).await;
+        assert!(written.is_ok(), "{written:?}");
+    }
+
+    /// One flush, as h2 calls it (`AsyncWriteExt::flush` would do the same).
+    async fn flush(io: &mut Replies<Recorder>) {
+        let flushed = poll_fn(|cx| Pin::new(&mut *io).poll_flush(cx)).await;
+        assert!(flushed.is_ok(), "{flushed:?}");
+    }
+
+    /// A unary reply: headers and a large message, h2's flush, trailers,
+    /// the final flush: one write, in order.
+    #[tokio::test]
+    async fn a_reply_with_a_large_message_leaves_in_one_write() {
+        let rec = Recorder::default();
+        let mut io = Replies::new(rec.clone());
+        let head = [frame(HEADERS, END_HEADERS, 1, 20), frame(DATA, 0, 1, 1029)].concat();
+        let trailers = frame(HEADERS, END_HEADERS | END_STREAM, 1, 12);
+        write(&mut io, &head).await;
+        flush(&mut io).await;
+        assert!(rec.writes().is_empty(), "the flush after the message is held");
+        write(&mut io, &trailers).await;
+        flush(&mut io).await;
+        assert_eq!(rec.writes(), vec![[head, trailers].concat()]);
+    }
+
+    /// A streaming reply's message whose next one is not ready: the flush
+    /// with nothing written since the held one writes it.
+    #[tokio::test]
+    async fn a_message_with_nothing_behind_it_leaves_at_the_next_flush() {
+        let rec = Recorder::default();
+        let mut io = Replies::new(rec.clone());
+        let message = frame(DATA, 0, 1, 4000);
+        write(&mut io, &message).await;
+        flush(&mut io).await;
+        assert!(rec.writes().is_empty());
+        flush(&mut io).await;
+        assert_eq!(rec.writes(), vec![message]);
+    }
+
+    /// Two held flushes in a row never happen: the second large message
+    /// goes out with the first.
+    #[tokio::test]
+    async fn only_one_flush_in_a_row_is_held() {
+        let rec = Recorder::default();
+        let mut io = Replies::new(rec.clone());
+        let (one, two) = (frame(DATA, 0, 1, 300), frame(DATA, 0, 3, 300));
+        write(&mut io, &one).await;
+        flush(&mut io).await;
+        write(&mut io, &two).await;
+        flush(&mut io).await;
+        assert_eq!(rec.writes(), vec![[one, two].concat()]);
+    }
+
+    /// Small messages (copied by h2, no flush of their own), the end of a
+    /// stream and other frames are written at the flush.
+    #[tokio::test]
+    async fn other_frames_are_written_at_the_flush() {
+        for bytes in [
+            frame(DATA, 0, 1, CHAINED as u32 - 1),
+            frame(DATA, END_STREAM, 1, 5000),
+            frame(HEADERS, END_HEADERS, 1, 30),
+            frame(4, 0, 0, 18), // SETTINGS
+        ] {
+            let rec = Recorder::default();
+            let mut io = Replies::new(rec.clone());
+            write(&mut io, &bytes).await;
+            flush(&mut io).await;
+            assert_eq!(rec.writes(), vec![bytes]);
+        }
+    }
+
+    /// Frame headers and payloads split across writes are followed.
+    #[tokio::test]
+    async fn frames_are_followed_across_writes() {
+        let rec = Recorder::default();
+        let mut io = Replies::new(rec.clone());
+        let bytes = [frame(HEADERS, END_HEADERS, 1, 20), frame(DATA, 0, 1, 2000)].concat();
+        for chunk in bytes.chunks(7) {
+            write(&mut io, chunk).await;
+        }
+        flush(&mut io).await;
+        assert!(rec.writes().is_empty(), "the message was seen whole, as the last frame");
+
+        // Part of a frame header after the message: not the last frame.
+        let rec = Recorder::default();
+        let mut io = Replies::new(rec.clone());
+        let trailers = frame(HEADERS, END_HEADERS | END_STREAM, 1, 12);
+        let cut = [bytes.as_slice(), &trailers[..4]].concat();
+        write(&mut io, &cut).await;
+        flush(&mut io).await;
+        assert_eq!(rec.writes(), vec![cut]);
+    }
+
+    /// Shutting down writes what was held first.
+    #[tokio::test]
+    async fn shutdown_writes_what_was_held() {
+        let rec = Recorder::default();
+        let mut io = Replies::new(rec.clone());
+        let message = frame(DATA, 0, 1, 1000);
+        write(&mut io, &message).await;
+        flush(&mut io).await;
+        let shut = io.shutdown().await;
+        assert!(shut.is_ok(), "{shut:?}");
+        assert_eq!(rec.writes(), vec![message]);
+    }
+
+    /// Counts the writes that reach a socket.
+    struct Counted {
+        io: tokio::net::TcpStream,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AsyncRead for Counted {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Counted {
+        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            let written = ready!(Pin::new(&mut self.io).poll_write(cx, buf));
+            self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Poll::Ready(written)
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_flush(cx)
+        }
+
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_shutdown(cx)
+        }
+    }
+
+    impl tonic::transport::server::Connected for Counted {
+        type ConnectInfo = ();
+
+        fn connect_info(&self) {}
+    }
+
+    /// Replies with the tool result it was given.
+    struct Echo;
+
+    #[crate::async_trait]
+    impl crate::Hook for Echo {
+        async fn on_tool_result(
+            &self,
+            call: crate::ToolResultCall,
+        ) -> Result<Option<crate::ToolResultBlock>, tonic::Status> {
+            let text = call.text();
+            Ok(Some(call.replace_text(text)))
+        }
+    }
+
+    /// Served by tonic over [`Replies`], replies of every size arrive whole,
+    /// and a unary reply with a 1 KiB message is one write (h2 alone makes
+    /// it two: headers and message, then trailers).
+    #[tokio::test]
+    async fn served_replies_arrive_whole_in_one_write_each() -> Result<(), Box<dyn std::error::Error>> {
+        use lattice_proto::{
+            agent::v1::{TextBlock, ToolResultBlock},
+            hooks::v1::{OnToolResultRequest, hook_service_client::HookServiceClient},
+        };
+        use tokio_stream::StreamExt as _;
+
+        const LIMIT: usize = 64 << 20;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = writes.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |accepted| {
+            let io = accepted?;
+            io.set_nodelay(true)?;
+            Ok::<_, io::Error>(Replies::new(Counted { io, writes: counter.clone() }))
+        });
+        let served = tonic::transport::Server::builder()
+            .add_service(crate::HookServer::new(Echo).into_service_with_limit(LIMIT))
+            .serve_with_incoming(incoming);
+        tokio::spawn(served);
+        let mut client = HookServiceClient::connect(format!("http://{addr}"))
+            .await?
+            .max_decoding_message_size(LIMIT)
+            .max_encoding_message_size(LIMIT);
+        let request = |size: usize| OnToolResultRequest {
+            tool_use_id: "t".into(),
+            result: Some(ToolResultBlock {
+                tool_use_id: "t".into(),
+                content: vec![TextBlock { text: "x".repeat(size) }],
+                is_error: false,
+            }),
+            ..Default::default()
+        };
+        let mut call = async |size: usize| -> Result<usize, Box<dyn std::error::Error>> {
+            let reply = tokio::time::timeout(std::time::Duration::from_secs(10), client.on_tool_result(request(size)))
+                .await??
+                .into_inner();
+            Ok(reply.result.map_or(0, |r| r.content.iter().map(|b| b.text.len()).sum()))
+        };
+        for size in [0, 10, 255, 256, 300, 1024, 16 * 1024, 20 * 1024, 1 << 20, 5 << 20] {
+            assert_eq!(call(size).await?, size, "the reply to {size} bytes");
+        }
+        let calls = 20;
+        let before = writes.load(std::sync::atomic::Ordering::Relaxed);
+        for _ in 0..calls {
+            assert_eq!(call(1024).await?, 1024);
+        }
+        let written = writes.load(std::sync::atomic::Ordering::Relaxed) - before;
+        // A window update may take a write of its own.
+        assert!((calls..=calls + 2).contains(&written), "{written} writes for {calls} replies");
+        Ok(())
+    }
+}
