@@ -19,14 +19,9 @@
 //! Plaintext connections only: under TLS the bytes written are records,
 //! not frames.
 
-use std::{
-    io::{self, IoSlice},
-    pin::Pin,
-    task::{Context, Poll, ready},
-};
+use std::{io::IoSlice, task::Context};
 
-use lattice_proto::gather::WriteBuffer;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use lattice_proto::gather::{Gathered, WhenToWrite};
 
 /// h2 sends DATA payloads from this size on without a copy, and flushes
 /// after each (its `CHAIN_THRESHOLD` on IO that writes vectored).
@@ -84,81 +79,40 @@ impl Frames {
 
 /// A served connection whose flush after a large DATA frame is held for
 /// the frames behind it (see the module docs).
-#[derive(Debug)]
-pub(crate) struct Replies<T> {
-    io: T,
-    buffer: WriteBuffer,
+pub(crate) type Replies<T> = Gathered<T, AfterTheMessage>;
+
+/// Holds the flush that h2 makes right after a large DATA frame.
+#[derive(Debug, Default)]
+pub(crate) struct AfterTheMessage {
     frames: Frames,
-    /// Bytes were written since the last flush.
+    /// Bytes were taken since the last flush.
     wrote: bool,
     /// The last flush was held.
     held: bool,
 }
 
-impl<T> Replies<T> {
-    pub(crate) fn new(io: T) -> Self {
-        Self { io, buffer: WriteBuffer::default(), frames: Frames::default(), wrote: false, held: false }
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Replies<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Replies<T> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        let taken = ready!(this.buffer.poll_write(&mut this.io, cx, bufs))?;
-        this.wrote |= taken > 0;
+impl WhenToWrite for AfterTheMessage {
+    fn took(&mut self, bufs: &[IoSlice<'_>], taken: usize) {
+        self.wrote |= taken > 0;
         let mut left = taken;
         for b in bufs {
             if left == 0 {
                 break;
             }
             let n = left.min(b.len());
-            this.frames.see(&b[..n]);
+            self.frames.see(&b[..n]);
             left -= n;
         }
-        Poll::Ready(Ok(taken))
     }
 
-    fn is_write_vectored(&self) -> bool {
-        true
+    fn hold(&mut self, _: &mut Context<'_>) -> bool {
+        let wrote = std::mem::take(&mut self.wrote);
+        self.held = wrote && !self.held && self.frames.ends_with_chained_data();
+        self.held
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        let wrote = std::mem::take(&mut this.wrote);
-        if wrote && !this.held && !this.buffer.is_empty() && this.frames.ends_with_chained_data() {
-            this.held = true;
-            return Poll::Ready(Ok(()));
-        }
-        this.held = false;
-        ready!(this.buffer.poll_drain(&mut this.io, cx))?;
-        Pin::new(&mut this.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        this.buffer.poll_shutdown(&mut this.io, cx)
-    }
-}
-
-impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Replies<T> {
-    type ConnectInfo = T::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+    fn written(&mut self) {
+        (self.wrote, self.held) = (false, false);
     }
 }
 
@@ -166,10 +120,13 @@ impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected
 mod tests {
     use std::{
         future::poll_fn,
+        io,
+        pin::Pin,
         sync::{Arc, Mutex},
+        task::{Poll, ready},
     };
 
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
     use super::*;
 

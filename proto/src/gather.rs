@@ -5,8 +5,9 @@
 //! reader, so a connection that writes a call's frames in two or three
 //! writes costs both sides more than the bytes do. Lattice gathers on its
 //! hook, tool and API connections, and the hook SDK on the connections it
-//! serves; when to write is theirs to decide, and [`WriteBuffer`] is what
-//! they share: it holds small writes and passes large ones through.
+//! serves. [`WriteBuffer`] holds small writes and passes large ones
+//! through; [`Gathered`] is a connection that writes them at the flushes a
+//! [`WhenToWrite`] policy does not hold, and the policies are theirs.
 
 use std::{
     io::{self, IoSlice},
@@ -14,7 +15,7 @@ use std::{
     task::{Context, Poll, ready},
 };
 
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Writes of at least this many bytes are not copied into the gathered
 /// bytes: a large message's DATA frames (16 KiB, HTTP/2's default frame
@@ -112,5 +113,94 @@ impl WriteBuffer {
         self.check()?;
         ready!(self.poll_drain(w, cx))?;
         Pin::new(w).poll_shutdown(cx)
+    }
+}
+
+/// When a [`Gathered`] connection writes what it gathered: asked at each
+/// flush that finds bytes waiting.
+pub trait WhenToWrite: Default {
+    /// The first `taken` bytes of `bufs` were gathered or written.
+    fn took(&mut self, bufs: &[IoSlice<'_>], taken: usize) {
+        let _ = (bufs, taken);
+    }
+
+    /// A read began (h2 begins each poll of its connection with one).
+    fn read(&mut self) {}
+
+    /// This flush leaves the gathered bytes for a later one. A policy that
+    /// holds beyond the current poll of the connection's task wakes `cx`.
+    fn hold(&mut self, cx: &mut Context<'_>) -> bool;
+
+    /// What was gathered has been written.
+    fn written(&mut self) {}
+}
+
+/// A connection whose writes are gathered in a [`WriteBuffer`] and written
+/// at the flushes its policy `P` does not hold. Its connect info is its
+/// inner stream's, so that a TLS client's certificate still reaches the
+/// request.
+#[derive(Debug)]
+pub struct Gathered<T, P> {
+    io: T,
+    buffer: WriteBuffer,
+    policy: P,
+}
+
+impl<T, P: WhenToWrite> Gathered<T, P> {
+    /// Gathers the writes on `io`.
+    pub fn new(io: T) -> Self {
+        Self { io, buffer: WriteBuffer::default(), policy: P::default() }
+    }
+}
+
+impl<T: AsyncRead + Unpin, P: WhenToWrite + Unpin> AsyncRead for Gathered<T, P> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        this.policy.read();
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin, P: WhenToWrite + Unpin> AsyncWrite for Gathered<T, P> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        let taken = ready!(this.buffer.poll_write(&mut this.io, cx, bufs))?;
+        this.policy.took(bufs, taken);
+        Poll::Ready(Ok(taken))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if !this.buffer.is_empty() && this.policy.hold(cx) {
+            return Poll::Ready(Ok(()));
+        }
+        ready!(this.buffer.poll_drain(&mut this.io, cx))?;
+        this.policy.written();
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        this.buffer.poll_shutdown(&mut this.io, cx)
+    }
+}
+
+impl<T: tonic::transport::server::Connected, P> tonic::transport::server::Connected for Gathered<T, P> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
     }
 }

@@ -31,10 +31,10 @@ use std::{
     io::{self, IoSlice},
     pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
-    task::{Context, Poll, ready},
+    task::{Context, Poll},
 };
 
-use lattice_proto::gather::WriteBuffer;
+use lattice_proto::gather::{WhenToWrite, WriteBuffer};
 
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
@@ -134,12 +134,12 @@ impl AsyncWrite for Corked {
 
 /// A connection of the API listener (plaintext or TLS) whose writes are
 /// gathered and written on the next poll of its task (see the module
-/// docs). Its connect info is its inner stream's, so a TLS client's
-/// certificate still reaches the request.
-#[derive(Debug)]
-pub(crate) struct Gathered<T> {
-    io: T,
-    buffer: WriteBuffer,
+/// docs).
+pub(crate) type Gathered<T> = lattice_proto::gather::Gathered<T, NextPoll>;
+
+/// Holds what a flush finds for the task's next poll.
+#[derive(Debug, Default)]
+pub(crate) struct NextPoll {
     /// A flush found gathered bytes, woke the task and left them.
     waiting: bool,
     /// The task has been polled again since (h2 starts each poll of its
@@ -147,66 +147,26 @@ pub(crate) struct Gathered<T> {
     due: bool,
 }
 
-impl<T> Gathered<T> {
-    /// Gathers the writes on `io`.
-    pub(crate) fn new(io: T) -> Self {
-        Self { io, buffer: WriteBuffer::default(), waiting: false, due: false }
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Gathered<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        this.due |= this.waiting;
-        Pin::new(&mut this.io).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Gathered<T> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+impl WhenToWrite for NextPoll {
+    fn read(&mut self) {
+        self.due |= self.waiting;
     }
 
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        this.buffer.poll_write(&mut this.io, cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
+    fn hold(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.due {
+            return false;
+        }
+        // Written on the next poll: what other tasks queue until then goes
+        // in the same write.
+        if !self.waiting {
+            self.waiting = true;
+            cx.waker().wake_by_ref();
+        }
         true
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        if !this.buffer.is_empty() && !this.due {
-            // Written on the next poll: what other tasks queue until then
-            // goes in the same write.
-            if !this.waiting {
-                this.waiting = true;
-                cx.waker().wake_by_ref();
-            }
-            return Poll::Ready(Ok(()));
-        }
-        ready!(this.buffer.poll_drain(&mut this.io, cx))?;
-        (this.waiting, this.due) = (false, false);
-        Pin::new(&mut this.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        this.buffer.poll_shutdown(&mut this.io, cx)
-    }
-}
-
-impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Gathered<T> {
-    type ConnectInfo = T::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+    fn written(&mut self) {
+        (self.waiting, self.due) = (false, false);
     }
 }
 
