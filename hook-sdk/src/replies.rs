@@ -119,7 +119,6 @@ impl WhenToWrite for AfterTheMessage {
 #[cfg(test)]
 mod tests {
     use std::{
-        future::poll_fn,
         io,
         pin::Pin,
         sync::{Arc, Mutex},
@@ -166,6 +165,12 @@ mod tests {
         f
     }
 
+    /// A connection over a [`Recorder`], and the recorder.
+    fn recorded() -> (Replies<Recorder>, Recorder) {
+        let rec = Recorder::default();
+        (Replies::new(rec.clone()), rec)
+    }
+
     const HEADERS: u8 = 1;
     const END_HEADERS: u8 = 0x4;
 
@@ -175,9 +180,9 @@ mod tests {
         assert!(written.is_ok(), "{written:?}");
     }
 
-    /// One flush, as h2 calls it (`AsyncWriteExt::flush` would do the same).
+    /// One flush, as h2 calls it.
     async fn flush(io: &mut Replies<Recorder>) {
-        let flushed = poll_fn(|cx| Pin::new(&mut *io).poll_flush(cx)).await;
+        let flushed = io.flush().await;
         assert!(flushed.is_ok(), "{flushed:?}");
     }
 
@@ -185,8 +190,7 @@ mod tests {
     /// the final flush: one write, in order.
     #[tokio::test]
     async fn a_reply_with_a_large_message_leaves_in_one_write() {
-        let rec = Recorder::default();
-        let mut io = Replies::new(rec.clone());
+        let (mut io, rec) = recorded();
         let head = [frame(HEADERS, END_HEADERS, 1, 20), frame(DATA, 0, 1, 1029)].concat();
         let trailers = frame(HEADERS, END_HEADERS | END_STREAM, 1, 12);
         write(&mut io, &head).await;
@@ -201,8 +205,7 @@ mod tests {
     /// with nothing written since the held one writes it.
     #[tokio::test]
     async fn a_message_with_nothing_behind_it_leaves_at_the_next_flush() {
-        let rec = Recorder::default();
-        let mut io = Replies::new(rec.clone());
+        let (mut io, rec) = recorded();
         let message = frame(DATA, 0, 1, 4000);
         write(&mut io, &message).await;
         flush(&mut io).await;
@@ -215,8 +218,7 @@ mod tests {
     /// goes out with the first.
     #[tokio::test]
     async fn only_one_flush_in_a_row_is_held() {
-        let rec = Recorder::default();
-        let mut io = Replies::new(rec.clone());
+        let (mut io, rec) = recorded();
         let (one, two) = (frame(DATA, 0, 1, 300), frame(DATA, 0, 3, 300));
         write(&mut io, &one).await;
         flush(&mut io).await;
@@ -235,8 +237,7 @@ mod tests {
             frame(HEADERS, END_HEADERS, 1, 30),
             frame(4, 0, 0, 18), // SETTINGS
         ] {
-            let rec = Recorder::default();
-            let mut io = Replies::new(rec.clone());
+            let (mut io, rec) = recorded();
             write(&mut io, &bytes).await;
             flush(&mut io).await;
             assert_eq!(rec.writes(), vec![bytes]);
@@ -246,8 +247,7 @@ mod tests {
     /// Frame headers and payloads split across writes are followed.
     #[tokio::test]
     async fn frames_are_followed_across_writes() {
-        let rec = Recorder::default();
-        let mut io = Replies::new(rec.clone());
+        let (mut io, rec) = recorded();
         let bytes = [frame(HEADERS, END_HEADERS, 1, 20), frame(DATA, 0, 1, 2000)].concat();
         for chunk in bytes.chunks(7) {
             write(&mut io, chunk).await;
@@ -256,8 +256,7 @@ mod tests {
         assert!(rec.writes().is_empty(), "the message was seen whole, as the last frame");
 
         // Part of a frame header after the message: not the last frame.
-        let rec = Recorder::default();
-        let mut io = Replies::new(rec.clone());
+        let (mut io, rec) = recorded();
         let trailers = frame(HEADERS, END_HEADERS | END_STREAM, 1, 12);
         let cut = [bytes.as_slice(), &trailers[..4]].concat();
         write(&mut io, &cut).await;
@@ -268,8 +267,7 @@ mod tests {
     /// Shutting down writes what was held first.
     #[tokio::test]
     async fn shutdown_writes_what_was_held() {
-        let rec = Recorder::default();
-        let mut io = Replies::new(rec.clone());
+        let (mut io, rec) = recorded();
         let message = frame(DATA, 0, 1, 1000);
         write(&mut io, &message).await;
         flush(&mut io).await;
