@@ -1,6 +1,9 @@
-//! A hook service whose replies do not decode: it answers OnToolResult and
-//! OnModelRequest with a message whose field 1 is a varint where the
-//! contract has a message. A peer that speaks gRPC but not our contract.
+//! Peers that speak gRPC but break the contract or the protocol:
+//! - [`BadHook`]: a hook service whose replies do not decode: it answers
+//!   OnToolResult and OnModelRequest with a message whose field 1 is a
+//!   varint where the contract has a message;
+//! - [`MalformedStatus`]: a service answering every call (hook or tool)
+//!   with an OK status whose `grpc-status-details-bin` is not base64.
 
 use std::{
     convert::Infallible,
@@ -76,5 +79,79 @@ impl BadHook {
         let (listener, addr) = crate::bind().await;
         let server = Background::serve(listener, tonic::service::Routes::new(Svc));
         BadHook { url: format!("http://{addr}"), _server: server }
+    }
+}
+
+/// Where [`MalformedStatus`] puts its status.
+#[derive(Debug, Clone, Copy)]
+pub enum StatusIn {
+    /// An empty reply message, then trailers.
+    Trailers,
+    /// The response headers alone (a trailers-only reply).
+    Headers,
+}
+
+/// A running peer whose every reply carries `grpc-status: 0` with a
+/// `grpc-status-details-bin` that is not base64, on any path.
+pub struct MalformedStatus {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    _server: Background,
+}
+
+impl MalformedStatus {
+    /// The value sent as `grpc-status-details-bin`.
+    pub const DETAILS: &'static str = "%%% not base64 %%%";
+
+    /// Starts it, served by hyper alone (tonic's server writes statuses
+    /// only from a `Status`).
+    pub async fn start(status_in: StatusIn) -> MalformedStatus {
+        use http_body_util::StreamBody;
+        use hyper::body::Frame;
+        type Frames =
+            StreamBody<futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<bytes::Bytes>, Infallible>>>>;
+
+        let (listener, addr) = crate::bind().await;
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let status = move || {
+            let mut map = http::HeaderMap::new();
+            map.insert("grpc-status", http::HeaderValue::from_static("0"));
+            map.insert("grpc-status-details-bin", http::HeaderValue::from_static(Self::DETAILS));
+            map
+        };
+        let answer = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| async move {
+            use http_body_util::BodyExt as _;
+            // The whole request first, as a real service reads it.
+            let _ = request.into_body().collect().await;
+            let mut response = http::Response::new(Frames::new(futures_util::stream::iter(match status_in {
+                // An empty message: every reply of the contracts decodes from it.
+                StatusIn::Trailers => {
+                    vec![Ok(Frame::data(bytes::Bytes::from_static(&[0, 0, 0, 0, 0]))), Ok(Frame::trailers(status()))]
+                }
+                StatusIn::Headers => vec![],
+            })));
+            response.headers_mut().insert("content-type", http::HeaderValue::from_static("application/grpc"));
+            if let StatusIn::Headers = status_in {
+                response.headers_mut().extend(status());
+            }
+            Ok::<_, Infallible>(response)
+        });
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    _ = &mut stopped => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), answer)
+                        .await;
+                });
+            }
+        });
+        MalformedStatus { url: format!("http://{addr}"), _server: Background(Some(stop)) }
     }
 }

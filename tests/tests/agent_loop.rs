@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use lattice_proto::agent::v1::{self as pb, ToolCallOutcome};
 use lattice_tests::{
-    Lattice, QueryOpts, cfg, message_text,
+    Lattice, QueryOpts,
+    bad_hook::{MalformedStatus, StatusIn},
+    cfg, message_text,
     tool::{ToolDef, ToolServer},
 };
 use tokio_stream::StreamExt;
@@ -139,6 +141,31 @@ async fn a_tool_service_down_gives_an_error_result() {
     assert!(text.contains("Unavailable"), "{text}");
     assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Failed as i32);
     assert!(out.tool_results()[0].result.as_ref().unwrap().is_error);
+}
+
+/// A tool service whose status carries a `grpc-status-details-bin` that is
+/// not base64 (in its trailers, or a trailers-only reply) gives an error
+/// result, and the loop goes on; so does its discovery with ListTools,
+/// which fails until its timeout. (Reading such a status used to panic
+/// the query's task.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_reply_with_a_malformed_status_gives_an_error_result() {
+    for status_in in [StatusIn::Trailers, StatusIn::Headers] {
+        let tool = MalformedStatus::start(status_in).await;
+        let config = cfg::agent("a", "")
+            + &cfg::turn("go", &["lookup"])
+            + &cfg::turn("after: {{last_tool_result}}", &[])
+            + &cfg::declared_tools(&tool.url, 2000, &["lookup"]);
+        let lattice = Lattice::start(&config).await;
+        for _ in 0..2 {
+            let out = lattice.query("a", "go").await;
+            let text = out.ok().text.clone();
+            assert!(text.contains("Internal") && text.contains("malformed"), "{status_in:?}: {text}");
+            assert!(!text.contains(MalformedStatus::DETAILS), "{text}");
+            assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Failed as i32);
+            assert!(out.tool_results()[0].result.as_ref().unwrap().is_error);
+        }
+    }
 }
 
 /// A tool slower than its deadline fails at the deadline with an error

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use lattice_proto::hooks::v1::{SourceKind, ToolErrorKind};
 use lattice_tests::{
     Lattice, QueryOpts, assert_no_leak,
-    bad_hook::BadHook,
+    bad_hook::{BadHook, MalformedStatus, StatusIn},
     canary, cfg,
     hook::{Behaviour, HookServer, OnRequest, OnResult},
     raw_peer::{Misbehaviour, RawPeer},
@@ -241,6 +241,9 @@ enum Failure {
     EmptyMessages,
     TooLarge,
     Undecodable,
+    /// Replies OK, with a `grpc-status-details-bin` that is not base64, in
+    /// the trailers after a message or in a trailers-only reply.
+    MalformedDetails(StatusIn),
 }
 
 impl Failure {
@@ -270,7 +273,7 @@ impl Failure {
     }
 }
 
-async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<BadHook>, Option<RawPeer>) {
+async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<Box<dyn Send>>, Option<RawPeer>) {
     let b = |b: Behaviour| async move {
         let h = HookServer::start(b).await;
         (h.url.clone(), Some(h), None, None)
@@ -313,7 +316,11 @@ async fn failing_hook(f: Failure) -> (String, Option<HookServer>, Option<BadHook
         Failure::Down => (lattice_tests::dead_url().await, None, None, None),
         Failure::Undecodable => {
             let h = BadHook::start().await;
-            (h.url.clone(), None, Some(h), None)
+            (h.url.clone(), None, Some(Box::new(h)), None)
+        }
+        Failure::MalformedDetails(status_in) => {
+            let h = MalformedStatus::start(status_in).await;
+            (h.url.clone(), None, Some(Box::new(h)), None)
         }
     }
 }
@@ -336,6 +343,8 @@ async fn every_tool_result_hook_failure_aborts_without_leaking() {
         Failure::WrongId,
         Failure::TooLarge,
         Failure::Undecodable,
+        Failure::MalformedDetails(StatusIn::Trailers),
+        Failure::MalformedDetails(StatusIn::Headers),
     ] {
         let secret = canary();
         let tools = ToolServer::start(vec![ToolDef::new("t", &format!("the secret is {secret}"))]).await;
@@ -379,6 +388,8 @@ async fn every_model_request_hook_failure_aborts_without_leaking() {
         Failure::EmptyMessages,
         Failure::TooLarge,
         Failure::Undecodable,
+        Failure::MalformedDetails(StatusIn::Trailers),
+        Failure::MalformedDetails(StatusIn::Headers),
     ] {
         let secret = canary();
         let (url, _keep, _keep_bad, _keep_raw) = failing_hook(f).await;

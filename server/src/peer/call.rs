@@ -233,11 +233,12 @@ impl tower::Service<http::Request<Body>> for Peer {
                     attempt.headers_mut().insert(GRPC_TIMEOUT, super::grpc_timeout(left));
                 }
                 match send(&slot, attempt).await {
-                    Ok(response) => {
+                    Ok(mut response) => {
                         if let Some(p) = &probe {
                             // A trailers-only response carries its status in the headers.
                             p.record(response.headers());
                         }
+                        super::guard::guard(response.headers_mut());
                         return Ok(response.map(|inner| ProbedBody { inner, probe, _load: Load::on(slot) }));
                     }
                     Err(e) => {
@@ -318,8 +319,9 @@ impl Drop for Load {
     }
 }
 
-/// A response body that records the `grpc-status` of its trailers, and
-/// counts its call on its address until it is read.
+/// A response body that records the `grpc-status` of its trailers, passes
+/// them through [`super::guard::guard`], and counts its call on its address
+/// until it is read.
 #[derive(Debug)]
 pub struct ProbedBody {
     inner: Body,
@@ -333,11 +335,15 @@ impl HttpBody for ProbedBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        if let (Poll::Ready(Some(Ok(frame))), Some(probe)) = (&polled, &this.probe)
-            && let Some(trailers) = frame.trailers_ref()
+        let mut polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &mut polled
+            && let Some(trailers) = frame.trailers_mut()
         {
-            probe.record(trailers);
+            // The status as the peer sent it; then made safe to read.
+            if let Some(probe) = &this.probe {
+                probe.record(trailers);
+            }
+            super::guard::guard(trailers);
         }
         polled
     }

@@ -22,6 +22,7 @@
 
 mod call;
 mod direct;
+mod guard;
 mod pool;
 mod tls;
 

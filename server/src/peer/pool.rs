@@ -281,7 +281,7 @@ async fn check_health(pool: std::sync::Weak<Pool>, slot: std::sync::Weak<Slot>, 
             tokio::time::sleep(every).await;
         }
         let (Some(pool), Some(slot)) = (pool.upgrade(), slot.upgrade()) else { return };
-        let mut client = HealthClient::new(slot.health.clone());
+        let mut client = HealthClient::new(super::guard::Guarded(slot.health.clone()));
         let mut request = tonic::Request::new(HealthCheckRequest { service: String::new() });
         request.set_timeout(every);
         let answer = tokio::time::timeout(every, client.check(request)).await;
