@@ -132,3 +132,89 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
         _ => Err(AgentError::EventTooLarge { event: name, bytes, limit }),
     }
 }
+
+/// A query's response stream: its events, then how it ended. A query
+/// whose task is gone without a result or a failure (it panicked) ends
+/// with INTERNAL, never as a stream that ended OK: a client must not take
+/// a query cut short for one that succeeded.
+#[derive(Debug)]
+pub struct QueryEvents {
+    rx: mpsc::Receiver<Out>,
+    /// The result or the failure has been passed on.
+    ended: bool,
+}
+
+impl QueryEvents {
+    /// The stream of what the query's task sends on `rx`.
+    pub fn new(rx: mpsc::Receiver<Out>) -> Self {
+        Self { rx, ended: false }
+    }
+}
+
+impl futures_util::Stream for QueryEvents {
+    type Item = Result<pb::QueryEvent, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        if self.ended {
+            return std::task::Poll::Ready(None);
+        }
+        let item = match std::task::ready!(self.rx.poll_recv(cx)) {
+            Some(Out::Event(event)) => {
+                self.ended = matches!(event, PbEvent::Result(_));
+                Ok(pb::QueryEvent { event: Some(event) })
+            }
+            Some(Out::Fail(status)) => {
+                self.ended = true;
+                Err(status)
+            }
+            None => {
+                self.ended = true;
+                Err(Status::internal("the query ended without a result"))
+            }
+        };
+        std::task::Poll::Ready(Some(item))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::StreamExt as _;
+
+    use super::*;
+
+    fn started() -> Out {
+        Out::Event(PbEvent::Started(pb::QueryStarted::default()))
+    }
+
+    async fn drain(sent: Vec<Out>) -> Vec<Result<pb::QueryEvent, tonic::Code>> {
+        let (tx, rx) = mpsc::channel(8);
+        for out in sent {
+            tx.send(out).await.unwrap();
+        }
+        drop(tx);
+        QueryEvents::new(rx).map(|item| item.map_err(|s| s.code())).collect().await
+    }
+
+    /// A task that ended without a result or a failure ends the stream
+    /// with INTERNAL; one that sent either ends it there.
+    #[tokio::test]
+    async fn a_stream_ends_with_the_result_the_failure_or_internal() {
+        let cut = drain(vec![started()]).await;
+        assert_eq!(cut.len(), 2);
+        assert_eq!(cut[1], Err(tonic::Code::Internal));
+
+        let result = Out::Event(PbEvent::Result(pb::FinalResult::default()));
+        let ok = drain(vec![started(), result]).await;
+        assert_eq!(ok.len(), 2);
+        assert!(ok.iter().all(Result::is_ok), "{ok:?}");
+
+        let failed = drain(vec![started(), Out::Fail(Status::aborted("hook"))]).await;
+        assert_eq!(failed.len(), 2);
+        assert_eq!(failed[1], Err(tonic::Code::Aborted));
+
+        assert_eq!(drain(vec![]).await, vec![Err(tonic::Code::Internal)]);
+    }
+}

@@ -9,7 +9,6 @@ use tokio::{
     sync::{Semaphore, mpsc},
     time::Instant,
 };
-use tokio_stream::{StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -273,11 +272,7 @@ impl AgentSvc {
             }
         };
         tokio::spawn(driver.instrument(span));
-        let stream = ReceiverStream::new(out_rx).map(|o| match o {
-            Out::Event(e) => Ok(pb::QueryEvent { event: Some(e) }),
-            Out::Fail(s) => Err(s),
-        });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(Box::pin(events::QueryEvents::new(out_rx))))
     }
 }
 
