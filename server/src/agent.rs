@@ -669,8 +669,8 @@ impl Runtime {
                     };
                     let call_deadline = ctx.scope.deadline.min(Instant::now() + binding.deadline());
                     let raw = match binding {
-                        Binding::Remote { client, peer, endpoint, .. } => {
-                            call_remote(client, peer, endpoint, call, &ctx.scope, call_deadline).await
+                        Binding::Remote { peer, max_message, endpoint, .. } => {
+                            call_remote(peer, *max_message, endpoint, call, &ctx.scope, call_deadline).await
                         }
                         Binding::Agent { agent: target, .. } => self.delegate(ctx, call, target, call_deadline).await?,
                     };

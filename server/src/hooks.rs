@@ -443,7 +443,7 @@ impl HookChain {
         let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
             let request = around.with_result(result.clone());
-            let send = |req, len| wire::unary(hook.peer.clone(), wire::ON_TOOL_RESULT, req, len, hook.max_reply);
+            let send = |req, len| crate::peer::unary(hook.peer.clone(), wire::ON_TOOL_RESULT, req, len, hook.max_reply);
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
                 Some(r) if r.tool_use_id != call.tool_use_id => {
@@ -530,7 +530,8 @@ impl HookChain {
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
             let pb_request = around.with_messages(&request.system, messages.clone());
-            let send = |req, len| wire::unary(hook.peer.clone(), wire::ON_MODEL_REQUEST, req, len, hook.max_reply);
+            let send =
+                |req, len| crate::peer::unary(hook.peer.clone(), wire::ON_MODEL_REQUEST, req, len, hook.max_reply);
             let subject = HookSubject::Turn(step.turn);
             let started = Instant::now();
             let event = HookEvent::ModelRequest;
@@ -738,7 +739,7 @@ fn accept_model_request(reply: pb::OnModelRequestResponse) -> Result<(Option<Vec
 ///   or CANCELLED sent as the call's deadline passes is `Deadline`);
 /// - the call raised it from an error below gRPC (it carries a source: an
 ///   I/O, hyper or h2 error): `Unavailable`;
-/// - the reply's reader (`wire::unary`, which reads a reply as tonic's
+/// - the reply's reader (`peer::unary`, which reads a reply as tonic's
 ///   client does) raised it, with no status from the hook: the reply broke
 ///   the protocol (does not decode, too large, ends early, no message):
 ///   `InvalidReply`; except UNAVAILABLE, inferred from an HTTP 429 or

@@ -27,10 +27,11 @@ pub enum Binding {
         endpoint: String,
         /// The call's deadline.
         deadline: Duration,
-        /// The client (a cheap clone; every clone shares the connections).
-        client: pb::tool_service_client::ToolServiceClient<Peer>,
-        /// The service's addresses and their readiness.
+        /// The service's addresses and their readiness (a cheap clone;
+        /// every clone shares the connections).
         peer: Peer,
+        /// The largest request or reply (`server.tool_max_message_bytes`).
+        max_message: usize,
         /// Whether calls use TLS.
         tls: bool,
     },
@@ -214,8 +215,8 @@ impl AgentTools {
                 let binding = Binding::Remote {
                     endpoint: source.endpoint.clone(),
                     deadline: source.deadline,
-                    client: client.clone(),
                     peer: peer.clone(),
+                    max_message: settings.tool_max_message_bytes,
                     tls: peer.tls,
                 };
                 tools.add(&def.name, spec, binding)?;
@@ -282,12 +283,15 @@ async fn discover(
     }
 }
 
+/// `ToolService/CallTool`.
+const CALL_TOOL: &str = "/lattice.tools.v1.ToolService/CallTool";
+
 /// Calls a remote tool within `deadline`. Never fails: every failure is an
 /// error result for the model. Dropping the future cancels the RPC (the
 /// HTTP/2 stream is reset, which the tool service observes).
 pub async fn call_remote(
-    client: &pb::tool_service_client::ToolServiceClient<Peer>,
     peer: &Peer,
+    max_message: usize,
     endpoint: &str,
     call: &ToolUse,
     scope: &Scope,
@@ -304,7 +308,7 @@ pub async fn call_remote(
     if peer.none() {
         return failed(K::RpcFailed, format!("tool {:?} was not called: its service has no ready address", call.name));
     }
-    let mut request = tonic::Request::new(pb::CallToolRequest {
+    let message = pb::CallToolRequest {
         tool_use_id: call.id.clone(),
         name: call.name.clone(),
         input: Some(convert::to_struct(&call.input)),
@@ -313,13 +317,20 @@ pub async fn call_remote(
             session_id: scope.session_id.clone(),
             query_id: scope.query_id.clone(),
         }),
-    });
+    };
+    let len = prost::Message::encoded_len(&message);
+    if len > max_message {
+        let why =
+            format!("tool {:?} was not called: its request is {len} bytes, over the limit of {max_message}", call.name);
+        return failed(K::RpcFailed, why);
+    }
+    let mut request = tonic::Request::new(message);
     // The transport sends the time left as grpc-timeout (on a transparent
     // retry too; see `peer`).
     request.extensions_mut().insert(CallDeadline::new(deadline));
     crate::telemetry::inject(&tracing::Span::current(), request.metadata_mut());
-    let mut client = client.clone();
-    match tokio::time::timeout_at(deadline, client.call_tool(request)).await {
+    let call_tool = crate::peer::unary::<_, pb::CallToolResponse>(peer.clone(), CALL_TOOL, request, len, max_message);
+    match tokio::time::timeout_at(deadline, call_tool).await {
         Err(_) => failed(K::Deadline, format!("tool {:?} did not answer within {} ms", call.name, budget.as_millis())),
         Ok(Err(status))
             if status.code() == tonic::Code::Cancelled && Instant::now() + Duration::from_millis(5) >= deadline =>
@@ -342,5 +353,14 @@ pub async fn call_remote(
                 .then(|| ToolFailure { kind: K::ToolError, message: "the tool reported an error".into() });
             RawResult { result, error, source, outcome: CallOutcome::Executed }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_call_path_names_the_contracts_service() {
+        let service = lattice_proto::tools::v1::tool_service_server::SERVICE_NAME;
+        assert_eq!(super::CALL_TOOL, format!("/{service}/CallTool"));
     }
 }

@@ -168,6 +168,29 @@ async fn a_tool_reply_with_a_malformed_status_gives_an_error_result() {
     }
 }
 
+/// A tool request over `server.tool_max_message_bytes` is not sent: the
+/// model gets an error result saying so, the tool service sees no call,
+/// and a smaller request to the same tool goes through.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_request_over_the_limit_is_not_sent() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "done")]).await;
+    let big = format!("t:{{ q = {:?} }}", "x".repeat(600));
+    let config = "[server]\ntool_max_message_bytes = 512\n".to_owned()
+        + &cfg::agent("a", "")
+        + &cfg::turn("go", &[big.as_str()])
+        + &cfg::turn("{{last_tool_result}}", &["t:{ q = \"small\" }"])
+        + &cfg::turn("after: {{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("a", "go").await;
+    let results = out.tool_results();
+    let first = lattice_tests::result_text(results[0].result.as_ref().unwrap());
+    assert!(first.contains("was not called") && first.contains("over the limit of 512"), "{first}");
+    assert_eq!(results[0].outcome, ToolCallOutcome::Failed as i32);
+    assert_eq!(out.ok().text, "after: done");
+    assert_eq!(tools.state.called(), ["t"], "only the small request reached the tool");
+}
+
 /// A tool slower than its deadline fails at the deadline with an error
 /// result; the tool service sees the call cancelled.
 #[tokio::test(flavor = "multi_thread")]

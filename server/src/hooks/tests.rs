@@ -404,8 +404,9 @@ async fn hook_replies_read_as_tonic_reads_them() {
     let len = request().encoded_len();
     for (what, reply) in cases {
         let peer = Peer::over_all(vec![replying(reply)]);
-        let ours =
-            outcome(wire::unary(peer.clone(), wire::ON_TOOL_RESULT, tonic::Request::new(request()), len, limit).await);
+        let ours = outcome(
+            crate::peer::unary(peer.clone(), wire::ON_TOOL_RESULT, tonic::Request::new(request()), len, limit).await,
+        );
         let mut grpc = tonic::client::Grpc::new(peer).max_decoding_message_size(limit);
         let path = tonic::codegen::http::uri::PathAndQuery::from_static(wire::ON_TOOL_RESULT);
         let codec = lattice_proto::codec::LatticeCodec::<pb::OnToolResultRequest, pb::OnToolResultResponse>::default();

@@ -82,7 +82,7 @@ impl Probe {
 
     fn record(&self, headers: &http::HeaderMap) {
         // An unparsable value is no status: tonic reports it as its own error.
-        if let Some(code) = headers.get("grpc-status").and_then(|v| v.to_str().ok()?.parse::<i32>().ok()) {
+        if let Some(code) = headers.get(&super::guard::GRPC_STATUS).and_then(|v| v.to_str().ok()?.parse::<i32>().ok()) {
             self.0.store(code, Ordering::Release);
         }
     }

@@ -25,9 +25,10 @@ use tonic::{
     codegen::{Bytes, http},
 };
 
-const GRPC_STATUS: &str = "grpc-status";
-const GRPC_MESSAGE: &str = "grpc-message";
-const GRPC_STATUS_DETAILS: &str = "grpc-status-details-bin";
+// Named once: a lookup by `&str` parses the name every time.
+pub(crate) const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
+const GRPC_STATUS_DETAILS: http::HeaderName = http::HeaderName::from_static("grpc-status-details-bin");
 
 /// The base64 tonic decodes the details with: the standard alphabet,
 /// padded or not.
@@ -40,14 +41,12 @@ const DETAILS: GeneralPurpose = GeneralPurpose::new(
 /// (the header is dropped). Headers without a status, or whose details
 /// decode, are left as they are.
 pub(crate) fn guard(headers: &mut http::HeaderMap) {
-    if !headers.contains_key(GRPC_STATUS) {
+    // Details are rare: looked for first.
+    let Some(details) = headers.get(&GRPC_STATUS_DETAILS) else { return };
+    if !headers.contains_key(&GRPC_STATUS) || DETAILS.decode(details.as_bytes()).is_ok() {
         return;
     }
-    let Some(details) = headers.get(GRPC_STATUS_DETAILS) else { return };
-    if DETAILS.decode(details.as_bytes()).is_ok() {
-        return;
-    }
-    headers.remove(GRPC_STATUS_DETAILS);
+    headers.remove(&GRPC_STATUS_DETAILS);
     headers.insert(GRPC_STATUS, http::HeaderValue::from_static("13"));
     // Percent-encoded, as grpc-message is.
     headers.insert(
@@ -123,10 +122,10 @@ where
 mod tests {
     use super::*;
 
-    fn headers(pairs: &[(&'static str, &'static str)]) -> http::HeaderMap {
+    fn headers(pairs: &[(http::HeaderName, &'static str)]) -> http::HeaderMap {
         let mut map = http::HeaderMap::new();
         for (k, v) in pairs {
-            map.insert(*k, http::HeaderValue::from_static(v));
+            map.insert(k.clone(), http::HeaderValue::from_static(v));
         }
         map
     }
@@ -157,7 +156,7 @@ mod tests {
             headers(&[(GRPC_STATUS, "5"), (GRPC_STATUS_DETAILS, "QUI=")]),
             headers(&[(GRPC_STATUS, "5"), (GRPC_STATUS_DETAILS, "QUI")]),
             headers(&[(GRPC_STATUS, "0")]),
-            headers(&[(GRPC_STATUS_DETAILS, "%%%"), ("content-type", "application/grpc")]),
+            headers(&[(GRPC_STATUS_DETAILS, "%%%"), (http::header::CONTENT_TYPE, "application/grpc")]),
         ];
         for case in cases {
             let mut map = case.clone();

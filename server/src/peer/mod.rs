@@ -25,6 +25,7 @@ mod direct;
 mod guard;
 mod pool;
 mod tls;
+mod unary;
 
 use std::{
     fmt,
@@ -42,6 +43,7 @@ use tonic::{
     codegen::http,
     transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
 };
+pub(crate) use unary::unary;
 
 /// How often a `dns:///` name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
