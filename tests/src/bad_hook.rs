@@ -112,7 +112,6 @@ impl MalformedStatus {
             StreamBody<futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<bytes::Bytes>, Infallible>>>>;
 
         let (listener, addr) = crate::bind().await;
-        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let status = move || {
             let mut map = http::HeaderMap::new();
             map.insert("grpc-status", http::HeaderValue::from_static("0"));
@@ -136,22 +135,6 @@ impl MalformedStatus {
             }
             Ok::<_, Infallible>(response)
         });
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = &mut stopped => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok((stream, _)) => stream,
-                        Err(_) => continue,
-                    },
-                };
-                tokio::spawn(async move {
-                    let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), answer)
-                        .await;
-                });
-            }
-        });
-        MalformedStatus { url: format!("http://{addr}"), _server: Background(Some(stop)) }
+        MalformedStatus { url: format!("http://{addr}"), _server: Background::serve_h2(listener, answer) }
     }
 }

@@ -187,25 +187,8 @@ impl HookServer {
         let (listener, addr) = crate::bind().await;
         let state = Arc::new(State { behaviour: Mutex::new(behaviour), calls: Mutex::new(vec![]) });
         let service = HookServiceServer::new(Scripted(state.clone()));
-        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = &mut stopped => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok((stream, _)) => stream,
-                        Err(_) => continue,
-                    },
-                };
-                let service = hyper_util::service::TowerToHyperService::new(service.clone());
-                tokio::spawn(async move {
-                    let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
-        HookServer { url: format!("http://{addr}"), state, server: Background(Some(stop)) }
+        let server = Background::serve_h2(listener, hyper_util::service::TowerToHyperService::new(service));
+        HookServer { url: format!("http://{addr}"), state, server }
     }
 
     /// Stops the server (its port closes).

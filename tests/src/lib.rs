@@ -1031,6 +1031,44 @@ impl Background {
         Background(Some(tx))
     }
 
+    /// Serves `service` on `listener` over HTTP/2 with hyper alone (no
+    /// tonic server, which would enforce deadlines and write statuses its
+    /// own way), until stopped.
+    pub fn serve_h2<S, B>(listener: TcpListener, service: S) -> Background
+    where
+        S: hyper::service::Service<
+                tonic::codegen::http::Request<hyper::body::Incoming>,
+                Response = tonic::codegen::http::Response<B>,
+            > + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    _ = &mut stopped => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                let service = service.clone();
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Background(Some(stop))
+    }
+
     /// Stops the server.
     pub fn stop(&mut self) {
         if let Some(tx) = self.0.take() {
