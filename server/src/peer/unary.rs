@@ -29,7 +29,7 @@ const PREFIX: usize = 5;
 /// (trailers-only) ends the call; a compressed reply, a message over
 /// `max_reply` bytes, a reply that does not decode, one cut short or
 /// with no message are errors tonic would raise (the same codes, no
-/// source, no status from the hook); the status in the trailers, or else
+/// source, no status from the peer); the status in the trailers, or else
 /// the one the HTTP status maps to, decides the call.
 pub(crate) async fn unary<Req, Resp>(
     mut peer: Peer,
@@ -67,6 +67,7 @@ where
         let name = String::from_utf8_lossy(encoding.as_bytes()).into_owned();
         return Err(Status::unimplemented(format!("Content is compressed with `{name}` which isn't supported")));
     }
+    // Looked for by its parsed name first: tonic's lookup parses it.
     if parts.headers.contains_key(&GRPC_STATUS)
         && let Some(status) = Status::from_header_map(&parts.headers)
     {
