@@ -136,7 +136,9 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
 /// A query's response stream: its events, then how it ended. A query
 /// whose task is gone without a result or a failure (it panicked) ends
 /// with INTERNAL, never as a stream that ended OK: a client must not take
-/// a query cut short for one that succeeded.
+/// a query cut short for one that succeeded. After the result the stream
+/// still ends only once the task is gone, so a client that sees the end
+/// finds everything the query held (its admission, its session) released.
 #[derive(Debug)]
 pub struct QueryEvents {
     rx: mpsc::Receiver<Out>,
@@ -158,18 +160,17 @@ impl futures_util::Stream for QueryEvents {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        if self.ended {
-            return std::task::Poll::Ready(None);
-        }
         let item = match std::task::ready!(self.rx.poll_recv(cx)) {
             Some(Out::Event(event)) => {
-                self.ended = matches!(event, PbEvent::Result(_));
+                self.ended |= matches!(event, PbEvent::Result(_));
                 Ok(pb::QueryEvent { event: Some(event) })
             }
             Some(Out::Fail(status)) => {
                 self.ended = true;
                 Err(status)
             }
+            // A closed channel answers `None` from then on.
+            None if self.ended => return std::task::Poll::Ready(None),
             None => {
                 self.ended = true;
                 Err(Status::internal("the query ended without a result"))
@@ -216,5 +217,20 @@ mod tests {
         assert_eq!(failed[1], Err(tonic::Code::Aborted));
 
         assert_eq!(drain(vec![]).await, vec![Err(tonic::Code::Internal)]);
+    }
+
+    /// After the result, the stream ends when the query's task lets go of
+    /// its sender (having released what it held), not before.
+    #[tokio::test]
+    async fn the_stream_ends_once_the_task_is_gone() {
+        use futures_util::FutureExt as _;
+
+        let (tx, rx) = mpsc::channel(8);
+        let mut events = QueryEvents::new(rx);
+        tx.send(Out::Event(PbEvent::Result(pb::FinalResult::default()))).await.unwrap();
+        assert!(matches!(events.next().await, Some(Ok(_))));
+        assert!(events.next().now_or_never().is_none(), "ended while the task still held its sender");
+        drop(tx);
+        assert!(events.next().await.is_none());
     }
 }
