@@ -438,7 +438,7 @@ impl<H: Hook> HookService for HookServer<H> {
         let trace = TraceParent::of(request.metadata());
         let span = call_span("OnToolResult", trace.as_ref());
         let call = ToolResultCall { trace, ..request.into_inner().into() };
-        let result = self.hook.on_tool_result(call).instrument(span).await?;
+        let result = caught("OnToolResult", self.hook.on_tool_result(call)).instrument(span).await?;
         Ok(tonic::Response::new(pb::OnToolResultResponse { result }))
     }
 
@@ -449,11 +449,27 @@ impl<H: Hook> HookService for HookServer<H> {
         let trace = TraceParent::of(request.metadata());
         let span = call_span("OnModelRequest", trace.as_ref());
         let call = ModelRequestCall { trace, ..request.into_inner().into() };
-        let change = self.hook.on_model_request(call).instrument(span).await?;
+        let change = caught("OnModelRequest", self.hook.on_model_request(call)).instrument(span).await?;
         Ok(tonic::Response::new(pb::OnModelRequestResponse {
             system: change.system,
             messages: change.messages.map(|messages| pb::MessageList { messages }),
         }))
+    }
+}
+
+/// Runs a hook's handler. A panic in it answers INTERNAL, "the hook
+/// panicked", which Lattice reports as the hook's own status; uncaught,
+/// the call's stream would be reset, which Lattice can only report as a
+/// call that failed below gRPC. The panic's message goes to stderr as
+/// usual (the panic hook), never into the status.
+async fn caught<T>(method: &str, handler: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
+    use futures_util::FutureExt as _;
+    match std::panic::AssertUnwindSafe(handler).catch_unwind().await {
+        Ok(answer) => answer,
+        Err(_) => {
+            tracing::error!(method, "the hook panicked; answered INTERNAL");
+            Err(Status::internal("the hook panicked"))
+        }
     }
 }
 

@@ -165,3 +165,49 @@ async fn the_go_hook_drains_after_sigterm() {
     let (url, child) = lattice_tests::start_go_hook(&["--drain-ms", "800"]).await;
     assert_drains(url, child).await;
 }
+
+/// A hook whose code panics on a marked result, and keeps the others.
+struct Panics;
+
+#[lattice_hook_sdk::async_trait]
+impl Hook for Panics {
+    async fn on_tool_result(&self, call: ToolResultCall) -> Result<Option<ToolResultBlock>, Status> {
+        if call.text().contains("boom") {
+            panic!("a bug in the hook");
+        }
+        Ok(None)
+    }
+}
+
+/// A Rust SDK hook whose code panics answers INTERNAL, "the hook
+/// panicked": the query aborts as the hook's own INTERNAL status (kind
+/// `status`), not as a call reset below gRPC (`unavailable`), and the hook
+/// goes on serving.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panicking_hook_answers_internal_and_goes_on_serving() {
+    use lattice_tests::{Lattice, assert_no_leak, canary, cfg, tool::ToolDef, tool::ToolServer};
+    let (listener, addr) = bind().await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(lattice_hook_sdk::Server::new(Panics).drain(Duration::ZERO).serve_on(listener, async {
+        let _ = stopped.await;
+    }));
+    let secret = canary();
+    let tools =
+        ToolServer::start(vec![ToolDef::new("boom", &format!("boom {secret}")), ToolDef::new("calm", "fine")]).await;
+    let agent = |name: &str, tool: &str| {
+        cfg::agent(name, "")
+            + &cfg::turn("go", &[tool])
+            + &cfg::turn("{{last_tool_result}}", &[])
+            + &cfg::tools(&tools.url, 2000)
+            + &cfg::hook("h", &format!("http://{addr}"), &["tool_result"], 2000)
+    };
+    let lattice = Lattice::start(&(agent("x", "boom") + &agent("y", "calm"))).await;
+    let out = lattice.query("x", "go").await;
+    let meta = out.hook_failure();
+    assert_eq!(meta["kind"], "status", "{:?}", out.status);
+    assert_eq!(meta["code"], "INTERNAL");
+    assert_no_leak(&secret, &lattice, &out);
+    assert_eq!(lattice.query("y", "go").await.ok().text, "fine", "the hook still serves");
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
