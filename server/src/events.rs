@@ -193,7 +193,7 @@ mod tests {
     async fn drain(sent: Vec<Out>) -> Vec<Result<pb::QueryEvent, tonic::Code>> {
         let (tx, rx) = mpsc::channel(8);
         for out in sent {
-            tx.send(out).await.unwrap();
+            assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
         }
         drop(tx);
         QueryEvents::new(rx).map(|item| item.map_err(|s| s.code())).collect().await
@@ -227,7 +227,8 @@ mod tests {
 
         let (tx, rx) = mpsc::channel(8);
         let mut events = QueryEvents::new(rx);
-        tx.send(Out::Event(PbEvent::Result(pb::FinalResult::default()))).await.unwrap();
+        let sent = tx.send(Out::Event(PbEvent::Result(pb::FinalResult::default()))).await;
+        assert!(sent.is_ok(), "the stream's receiver is open");
         assert!(matches!(events.next().await, Some(Ok(_))));
         assert!(events.next().now_or_never().is_none(), "ended while the task still held its sender");
         drop(tx);

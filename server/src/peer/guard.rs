@@ -57,19 +57,13 @@ pub(crate) fn guard(headers: &mut http::HeaderMap) {
 
 /// A response body whose trailers pass through [`guard`].
 #[derive(Debug)]
-pub(crate) struct GuardedBody<B = Body> {
-    inner: B,
+pub(crate) struct GuardedBody {
+    inner: Body,
 }
 
-impl<B> GuardedBody<B> {
-    pub(crate) fn new(inner: B) -> Self {
-        Self { inner }
-    }
-}
-
-impl<B: HttpBody<Data = Bytes> + Unpin> HttpBody for GuardedBody<B> {
+impl HttpBody for GuardedBody {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = tonic::Status;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let mut polled = Pin::new(&mut self.inner).poll_frame(cx);
@@ -113,7 +107,7 @@ where
         Box::pin(async move {
             let mut response = call.await?;
             guard(response.headers_mut());
-            Ok(response.map(GuardedBody::new))
+            Ok(response.map(|inner| GuardedBody { inner }))
         })
     }
 }
