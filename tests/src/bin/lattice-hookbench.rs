@@ -5,7 +5,8 @@
 //! tool services (`lattice-test-peer`), and Lattice itself (`lattice serve`,
 //! its default logging). In interleaved rounds it measures
 //! - **bare**: a bare tonic client calling one hook service (OnToolResult,
-//!   the same payload): latency per RPC, and the client's CPU per RPC;
+//!   the same payload, the same deadline as Lattice's hook calls): latency
+//!   per RPC, and the client's CPU per RPC;
 //! - **direct chain**: the same client calling 1, 3 and 8 hook services one
 //!   after another, passing the value along;
 //! - **Lattice** with 0, 1, 3 and 8 OnToolResult hooks (and 3 on both
@@ -157,12 +158,24 @@ fn tool_result(bytes: usize) -> hpb::OnToolResultRequest {
     }
 }
 
+/// The deadline of every hook call, Lattice's (`deadline_ms` of its hooks)
+/// and the references': a call with a deadline is what Lattice makes, and
+/// serving one costs a peer more (gRPC servers arm a timer for it).
+const HOOK_DEADLINE: Duration = Duration::from_secs(10);
+
+/// A hook call carrying [`HOOK_DEADLINE`], as Lattice's do.
+fn call(request: &hpb::OnToolResultRequest) -> tonic::Request<hpb::OnToolResultRequest> {
+    let mut call = tonic::Request::new(request.clone());
+    call.set_timeout(HOOK_DEADLINE);
+    call
+}
+
 /// Calls `hooks` one after another with `request`, each getting the
 /// previous one's result.
 async fn chain(hooks: &mut [HookServiceClient<Channel>], request: &hpb::OnToolResultRequest) {
     let mut request = request.clone();
     for h in hooks.iter_mut() {
-        let reply = h.on_tool_result(request.clone()).await.expect("a hook call").into_inner();
+        let reply = h.on_tool_result(call(&request)).await.expect("a hook call").into_inner();
         if let Some(r) = reply.result {
             request.result = Some(r);
         }
@@ -348,7 +361,8 @@ async fn main() {
             + &cfg::turn("done", &[])
             + &cfg::tools(&format!("http://{}", tool.addr), 60_000);
         for (i, h) in hooks.iter().enumerate() {
-            c += &cfg::hook(&format!("h{i}"), &format!("http://{}", h.addr), events, 10_000);
+            let deadline_ms = HOOK_DEADLINE.as_millis() as u64;
+            c += &cfg::hook(&format!("h{i}"), &format!("http://{}", h.addr), events, deadline_ms);
         }
         c
     };
@@ -378,7 +392,7 @@ async fn main() {
         let mut s = Sample::default();
         for _ in 0..per_round {
             let t = Instant::now();
-            bare[0].on_tool_result(request.clone()).await.unwrap();
+            bare[0].on_tool_result(call(&request)).await.unwrap();
             s.times.push(t.elapsed());
         }
         s.cpu = cpu(me) - before;
@@ -504,7 +518,7 @@ async fn main() {
                 let req = request.clone();
                 let (n, took) = throughput(clients, slice, move |_| {
                     let mut h = h.clone();
-                    let req = req.clone();
+                    let req = call(&req);
                     async move {
                         h.on_tool_result(req).await.unwrap();
                     }
@@ -600,7 +614,7 @@ async fn main() {
             for _ in 0..n {
                 let t = Instant::now();
                 for b in bare.iter_mut().take(3) {
-                    b.on_tool_result(request.clone()).await.unwrap();
+                    b.on_tool_result(call(&request)).await.unwrap();
                 }
                 echo.times.push(t.elapsed());
                 h0.times.push(query_once(&mut client, &format!("p{size}h0")).await);
