@@ -142,6 +142,9 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
 #[derive(Debug)]
 pub struct QueryEvents {
     rx: mpsc::Receiver<Out>,
+    /// What the task sent first, taken before the stream was handed out
+    /// (see [`QueryEvents::after_first`]); `Some(None)` if it sent nothing.
+    head: Option<Option<Out>>,
     /// The result or the failure has been passed on.
     ended: bool,
 }
@@ -149,7 +152,37 @@ pub struct QueryEvents {
 impl QueryEvents {
     /// The stream of what the query's task sends on `rx`.
     pub fn new(rx: mpsc::Receiver<Out>) -> Self {
-        Self { rx, ended: false }
+        Self { rx, head: None, ended: false }
+    }
+
+    /// The stream, once the task has sent its first event (or ended).
+    ///
+    /// The response's headers then leave with the first events instead of
+    /// on their own: the query's task runs to its first wait (a model or a
+    /// tool call, whose request is queued first) before the response is
+    /// handed to the connection, so the client is sent one write fewer.
+    pub async fn after_first(mut rx: mpsc::Receiver<Out>) -> Self {
+        let first = rx.recv().await;
+        Self { rx, head: Some(first), ended: false }
+    }
+
+    fn item(&mut self, out: Option<Out>) -> Option<Result<pb::QueryEvent, Status>> {
+        Some(match out {
+            Some(Out::Event(event)) => {
+                self.ended |= matches!(event, PbEvent::Result(_));
+                Ok(pb::QueryEvent { event: Some(event) })
+            }
+            Some(Out::Fail(status)) => {
+                self.ended = true;
+                Err(status)
+            }
+            // A closed channel answers `None` from then on.
+            None if self.ended => return None,
+            None => {
+                self.ended = true;
+                Err(Status::internal("the query ended without a result"))
+            }
+        })
     }
 }
 
@@ -160,23 +193,11 @@ impl futures_util::Stream for QueryEvents {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        let item = match std::task::ready!(self.rx.poll_recv(cx)) {
-            Some(Out::Event(event)) => {
-                self.ended |= matches!(event, PbEvent::Result(_));
-                Ok(pb::QueryEvent { event: Some(event) })
-            }
-            Some(Out::Fail(status)) => {
-                self.ended = true;
-                Err(status)
-            }
-            // A closed channel answers `None` from then on.
-            None if self.ended => return std::task::Poll::Ready(None),
-            None => {
-                self.ended = true;
-                Err(Status::internal("the query ended without a result"))
-            }
+        let out = match self.head.take() {
+            Some(first) => first,
+            None => std::task::ready!(self.rx.poll_recv(cx)),
         };
-        std::task::Poll::Ready(Some(item))
+        std::task::Poll::Ready(self.item(out))
     }
 }
 
@@ -190,13 +211,25 @@ mod tests {
         Out::Event(PbEvent::Started(pb::QueryStarted::default()))
     }
 
+    /// What a client reads of `sent`, from the stream as [`QueryEvents::new`]
+    /// and as [`QueryEvents::after_first`] give it (the two must agree).
     async fn drain(sent: Vec<Out>) -> Vec<Result<pb::QueryEvent, tonic::Code>> {
-        let (tx, rx) = mpsc::channel(8);
-        for out in sent {
-            assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
+        let mut read = vec![];
+        for after_first in [false, true] {
+            let (tx, rx) = mpsc::channel(8);
+            for out in &sent {
+                let out = match out {
+                    Out::Event(e) => Out::Event(e.clone()),
+                    Out::Fail(s) => Out::Fail(Status::new(s.code(), s.message())),
+                };
+                assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
+            }
+            drop(tx);
+            let events = if after_first { QueryEvents::after_first(rx).await } else { QueryEvents::new(rx) };
+            read.push(events.map(|item| item.map_err(|s| s.code())).collect::<Vec<_>>().await);
         }
-        drop(tx);
-        QueryEvents::new(rx).map(|item| item.map_err(|s| s.code())).collect().await
+        assert_eq!(read[0], read[1], "after_first reads as new does");
+        read.swap_remove(0)
     }
 
     /// A task that ended without a result or a failure ends the stream
@@ -217,6 +250,22 @@ mod tests {
         assert_eq!(failed[1], Err(tonic::Code::Aborted));
 
         assert_eq!(drain(vec![]).await, vec![Err(tonic::Code::Internal)]);
+    }
+
+    /// The stream is handed out once the task has sent its first event,
+    /// which it then yields first.
+    #[tokio::test]
+    async fn the_stream_is_handed_out_with_the_first_event() {
+        use futures_util::FutureExt as _;
+
+        let (tx, rx) = mpsc::channel(8);
+        let mut waiting = Box::pin(QueryEvents::after_first(rx));
+        assert!((&mut waiting).now_or_never().is_none(), "handed out before the task sent anything");
+        assert!(tx.send(started()).await.is_ok(), "the stream's receiver is open");
+        let mut events = waiting.await;
+        let first = events.next().await;
+        assert!(matches!(first, Some(Ok(pb::QueryEvent { event: Some(PbEvent::Started(_)) }))), "{first:?}");
+        assert!(events.next().now_or_never().is_none(), "ended while the task still held its sender");
     }
 
     /// After the result, the stream ends when the query's task lets go of

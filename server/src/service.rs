@@ -272,7 +272,7 @@ impl AgentSvc {
             }
         };
         tokio::spawn(driver.instrument(span));
-        Ok(Response::new(Box::pin(events::QueryEvents::new(out_rx))))
+        Ok(Response::new(Box::pin(events::QueryEvents::after_first(out_rx).await)))
     }
 }
 
