@@ -16,7 +16,9 @@
 //!
 //! Then throughput with 3 hooks at 1, 8 and 64 clients against the bare-RPC
 //! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query;
-//! the two measured in alternating half-second slices), with the CPU each
+//! the two measured in alternating half-second slices), and against the
+//! same four calls (the tool, then the three hooks) made directly by the
+//! same clients, in slices of their own, with the CPU each
 //! side spent per RPC or query (clients, Lattice, the peers), and payloads
 //! of 1 KiB to 16 MiB through 3 hooks against three bare echoes of the
 //! same payload, with Lattice's peak RSS (`VmHWM`, reset before each size's
@@ -44,6 +46,7 @@ use std::{
 use lattice_proto::{
     agent::v1::{self as apb, agent_service_client::AgentServiceClient},
     hooks::v1::{self as hpb, hook_service_client::HookServiceClient},
+    tools::v1::{self as tpb, tool_service_client::ToolServiceClient},
 };
 use lattice_tests::cfg;
 use tonic::transport::{Channel, Endpoint};
@@ -180,6 +183,27 @@ async fn chain(hooks: &mut [HookServiceClient<Channel>], request: &hpb::OnToolRe
             request.result = Some(r);
         }
     }
+}
+
+/// The deadline of the benchmark's tool calls (`deadline_ms` of its tool
+/// services).
+const TOOL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What a query to the 3-hook agent asks of its peers, made directly: the
+/// tool call, then the three hooks one after another.
+async fn four_calls(
+    tool: &mut ToolServiceClient<Channel>,
+    hooks: &mut [HookServiceClient<Channel>],
+    request: &hpb::OnToolResultRequest,
+) {
+    let mut call_tool = tonic::Request::new(tpb::CallToolRequest {
+        tool_use_id: "toolu_1".into(),
+        name: "fetch".into(),
+        ..Default::default()
+    });
+    call_tool.set_timeout(TOOL_DEADLINE);
+    tool.call_tool(call_tool).await.expect("a tool call");
+    chain(hooks, request).await;
 }
 
 /// Lattice in a process of its own with `config`; waits until it answers.
@@ -359,7 +383,7 @@ async fn main() {
         let mut c = cfg::agent(name, "")
             + &cfg::turn("go", &["fetch"])
             + &cfg::turn("done", &[])
-            + &cfg::tools(&format!("http://{}", tool.addr), 60_000);
+            + &cfg::tools(&format!("http://{}", tool.addr), TOOL_DEADLINE.as_millis() as u64);
         for (i, h) in hooks.iter().enumerate() {
             let deadline_ms = HOOK_DEADLINE.as_millis() as u64;
             c += &cfg::hook(&format!("h{i}"), &format!("http://{}", h.addr), events, deadline_ms);
@@ -496,6 +520,11 @@ async fn main() {
         println!("throughput, 3 hooks (4 RPCs a query: 3 hooks + 1 tool), 1 KiB:");
         let (three, lattice_pid) = rows.iter().find(|r| r.1 == 3).map(|r| (r.2.1.clone(), r.2.0.pid())).unwrap();
         let hook0 = bare[0].clone();
+        // The same four calls made directly (a like-for-like reference:
+        // the ceiling's one peer is called back to back, while a query's
+        // four peers each wait between its calls).
+        let tool0 = ToolServiceClient::new(channel(tools[0].addr).await);
+        let hooks3: Vec<HookServiceClient<Channel>> = bare[..3].to_vec();
         // Where the CPU of each side went: this process (the clients),
         // Lattice, and the peers a query calls (three hooks and the tool).
         let peers: Vec<u32> = hooks[..3].iter().chain(&tools[..1]).map(Proc::pid).collect();
@@ -506,6 +535,7 @@ async fn main() {
         let slice = secs / slices as f64;
         for &clients in &client_counts {
             let (mut rpcs, mut rpc_secs, mut queries, mut query_secs) = (0.0, 0.0, 0.0, 0.0);
+            let (mut chains, mut chain_secs) = (0.0, 0.0);
             // CPU during the bare slices (clients, the one hook) and the
             // Lattice slices (clients, Lattice, the peers).
             let (mut bare_cpu, mut query_cpu) = ([Duration::ZERO; 2], [Duration::ZERO; 3]);
@@ -543,12 +573,25 @@ async fn main() {
                 query_cpu[1] += cpu(lattice_pid) - before[1];
                 query_cpu[2] += cpu_of(&peers) - before[2];
                 idle_in[1] += idle().saturating_sub(idle_between);
+                let (t, h, req) = (tool0.clone(), hooks3.clone(), request.clone());
+                let (n, took) = throughput(clients, slice, move |_| {
+                    let (mut t, mut h, req) = (t.clone(), h.clone(), req.clone());
+                    async move {
+                        four_calls(&mut t, &mut h, &req).await;
+                    }
+                })
+                .await;
+                (chains, chain_secs) = (chains + n, chain_secs + took);
             }
-            let (rps, qps) = (rpcs / rpc_secs, queries / query_secs);
+            let (rps, qps, cps) = (rpcs / rpc_secs, queries / query_secs, chains / chain_secs);
             let ceiling = rps / 4.0;
             println!(
                 "  {clients:>3} clients: bare {rps:>7.0} RPC/s → ceiling {ceiling:>6.0} queries/s; Lattice {qps:>6.0} queries/s = {:.0} % of it",
                 100.0 * qps / ceiling
+            );
+            println!(
+                "       the query's four calls made directly: {cps:.0} chains/s; Lattice = {:.0} % of it",
+                100.0 * qps / cps
             );
             let per = |d: Duration, n: f64| us(d) / n.max(1.0);
             println!(
@@ -577,6 +620,11 @@ async fn main() {
             );
             let _ =
                 writeln!(csv, "throughput,{clients} clients queries_per_s,{qps:.0},{ceiling:.0},{:.3}", qps / ceiling);
+            let _ = writeln!(
+                csv,
+                "throughput,{clients} clients queries_per_direct_chain,{qps:.0},{cps:.0},{:.3}",
+                qps / cps
+            );
         }
     }
     drop(rows);
