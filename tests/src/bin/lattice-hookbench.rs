@@ -320,6 +320,18 @@ where
     (total as f64, started.elapsed().as_secs_f64())
 }
 
+/// Queries to agent `x` from `clients` concurrent clients for `secs`.
+async fn query_load(client: &AgentServiceClient<Channel>, clients: usize, secs: f64) -> (f64, f64) {
+    let client = client.clone();
+    throughput(clients, secs, move |_| {
+        let mut c = client.clone();
+        async move {
+            query(&mut c, "x").await;
+        }
+    })
+    .await
+}
+
 #[tokio::main]
 async fn main() {
     let arg = |name: &str| {
@@ -570,27 +582,13 @@ async fn main() {
                                 idle_in[0] += idle().saturating_sub(idle_before);
                             }
                             3 => {
-                                let c = three.clone();
-                                let (n, took) = throughput(clients, slice, move |_| {
-                                    let mut c = c.clone();
-                                    async move {
-                                        query(&mut c, "x").await;
-                                    }
-                                })
-                                .await;
+                                let (n, took) = query_load(&three, clients, slice).await;
                                 (queries_by_chains, queries_by_chains_secs) =
                                     (queries_by_chains + n, queries_by_chains_secs + took);
                             }
                             1 => {
                                 let before = [cpu(me), cpu(lattice_pid), cpu_of(&peers)];
-                                let c = three.clone();
-                                let (n, took) = throughput(clients, slice, move |_| {
-                                    let mut c = c.clone();
-                                    async move {
-                                        query(&mut c, "x").await;
-                                    }
-                                })
-                                .await;
+                                let (n, took) = query_load(&three, clients, slice).await;
                                 (queries, query_secs) = (queries + n, query_secs + took);
                                 query_cpu[0] += cpu(me) - before[0];
                                 query_cpu[1] += cpu(lattice_pid) - before[1];
