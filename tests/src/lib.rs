@@ -80,6 +80,9 @@ pub struct Lattice {
     /// TLS to the API port (`[server.tls]`): the CA, name and client
     /// certificate this client uses.
     client_tls: Option<tonic::transport::ClientTlsConfig>,
+    /// The directory made for it (traces; a process's config and log),
+    /// removed when it is dropped unless the test is failing.
+    scratch: PathBuf,
 }
 
 /// `config` with `server.trace_dir` set (in its `[server]` table if it has
@@ -187,6 +190,7 @@ impl Lattice {
         });
         let mut lattice = Lattice {
             url: format!("http://{addr}"),
+            scratch: trace_dir.clone(),
             trace_dir,
             shutdown: Some(tx),
             handle: Some(handle),
@@ -272,6 +276,7 @@ impl Lattice {
             process: Some((Child(child), log_path.clone())),
             admin: Some(admin),
             client_tls: tls,
+            scratch: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(15);
         while !lattice.healthy().await {
@@ -286,9 +291,11 @@ impl Lattice {
 
     /// A client of a Lattice at `url`, without waiting for anything.
     pub fn remote_unchecked(url: &str) -> Lattice {
+        let trace_dir = temp_dir("remote");
         Lattice {
             url: url.to_owned(),
-            trace_dir: temp_dir("remote"),
+            scratch: trace_dir.clone(),
+            trace_dir,
             shutdown: None,
             handle: None,
             process: None,
@@ -480,6 +487,10 @@ impl Drop for Lattice {
     fn drop(&mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
+        }
+        // A failing test's files are kept for whoever looks into it.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.scratch);
         }
     }
 }

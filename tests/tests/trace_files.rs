@@ -89,3 +89,24 @@ async fn an_unwritable_trace_dir_stops_start_up() {
     assert!(!out.status.success());
     assert!(stderr.contains("server.trace_dir") && stderr.contains("not writable"), "{stderr}");
 }
+
+/// A Lattice of a test that passes leaves nothing behind when dropped: its
+/// trace directory, and a process's config and log with it.
+#[tokio::test]
+async fn a_dropped_lattice_leaves_no_files_behind() {
+    let config = cfg::agent("a", "") + &cfg::turn("ok", &[]);
+    let in_process = Lattice::start(&config).await;
+    let spawned = Lattice::spawn(&config, &[]).await;
+    let mut dirs = vec![];
+    for lattice in [in_process, spawned] {
+        let out = lattice.query("a", "hi").await;
+        let trace = lattice.trace_dir.join(format!("{}.jsonl", out.session_id()));
+        assert!(trace.exists(), "the query's trace was written");
+        dirs.push(lattice.trace_dir.clone());
+    }
+    for dir in &dirs {
+        assert!(!dir.exists(), "{} is left behind", dir.display());
+    }
+    // The process's own directory (config, log) went too.
+    assert!(dirs[1].parent().is_some_and(|proc_dir| !proc_dir.exists()));
+}
