@@ -23,10 +23,7 @@ use tracing_subscriber::{
     EnvFilter, Layer,
     field::RecordFields,
     filter,
-    fmt::{
-        FormatFields,
-        format::{DefaultVisitor, Writer},
-    },
+    fmt::{FormatFields, format::Writer},
     layer::SubscriberExt,
     util::SubscriberInitExt,
 };
@@ -111,8 +108,13 @@ where
 /// tracing-subscriber's default writes them (`name=value`, one space
 /// between, the message as text) without the two styling wrappers it
 /// formats for each field, which cost more than the field itself: they
-/// were a third of what the log line of every query cost. The message,
-/// errors and `r#` names are handed to the default's own visitor.
+/// were a third of what the log line of every query cost.
+///
+/// And one event stays one line: control characters in the message and in
+/// values are escaped (see [`Escaping`]). The default escapes terminal
+/// controls in the message alone, so a line break in a `%` value (an
+/// error's text from a peer or a model provider) started what read as a
+/// log line of its own.
 #[derive(Debug)]
 struct PlainFields;
 
@@ -124,6 +126,47 @@ impl<'w> FormatFields<'w> for PlainFields {
     }
 }
 
+/// Writes through, escaping control characters: the terminal controls as
+/// tracing-subscriber escapes them in messages (`\x1b`, `\u{9b}`), line
+/// breaks as `\n` and `\r`, the rest of C0 as `\xNN`. Tabs are kept.
+struct Escaping<'a, 'w>(&'a mut Writer<'w>);
+
+impl fmt::Write for Escaping<'_, '_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let mut rest = s;
+        while let Some((i, c)) = rest.char_indices().find(|&(_, c)| c != '\t' && c.is_control()) {
+            self.0.write_str(&rest[..i])?;
+            match c {
+                '\n' => self.0.write_str("\\n")?,
+                '\r' => self.0.write_str("\\r")?,
+                c if u32::from(c) < 0x80 => write!(self.0, "\\x{:02x}", u32::from(c))?,
+                c => write!(self.0, "\\u{{{:x}}}", u32::from(c))?,
+            }
+            rest = &rest[i + c.len_utf8()..];
+        }
+        self.0.write_str(rest)
+    }
+}
+
+/// An error's sources, outermost first: `[a, b]`.
+struct Sources<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Sources<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        let mut next = Some(self.0);
+        let mut first = true;
+        while let Some(error) = next {
+            if !std::mem::take(&mut first) {
+                f.write_str(", ")?;
+            }
+            write!(f, "{error}")?;
+            next = error.source();
+        }
+        f.write_str("]")
+    }
+}
+
 struct PlainVisitor<'w> {
     writer: Writer<'w>,
     /// Nothing has been written yet (no space before the next field).
@@ -132,48 +175,56 @@ struct PlainVisitor<'w> {
 }
 
 impl PlainVisitor<'_> {
-    /// Records one field with tracing-subscriber's default visitor.
-    fn delegate(&mut self, record: impl FnOnce(&mut DefaultVisitor<'_>)) {
+    /// Writes one field (`name=`, unless it is the message) and its value,
+    /// escaped.
+    fn write(&mut self, name: Option<&str>, value: fmt::Arguments<'_>) {
         if self.result.is_err() {
             return;
         }
-        let mut default = DefaultVisitor::new(self.writer.by_ref(), self.is_empty);
-        record(&mut default);
-        self.result = tracing_subscriber::field::VisitOutput::finish(default);
-        self.is_empty = false;
+        let space = if std::mem::take(&mut self.is_empty) { "" } else { " " };
+        let w = &mut self.writer;
+        self.result = (|| {
+            w.write_str(space)?;
+            if let Some(name) = name {
+                w.write_str(name)?;
+                w.write_str("=")?;
+            }
+            fmt::Write::write_fmt(&mut Escaping(w), value)
+        })();
     }
 }
 
 impl Visit for PlainVisitor<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" {
-            self.delegate(|v| v.record_str(field, value));
+            self.write(None, format_args!("{value}"));
         } else {
             self.record_debug(field, &value);
         }
     }
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
-        self.delegate(|v| v.record_error(field, value));
+        let name = field.name();
+        match value.source() {
+            None => self.write(Some(name.strip_prefix("r#").unwrap_or(name)), format_args!("{value}")),
+            // As the default writes it: `error=… error.sources=[…, …]`.
+            Some(source) => {
+                let sources = Sources(source);
+                self.write(
+                    Some(name.strip_prefix("r#").unwrap_or(name)),
+                    format_args!("{value} {name}.sources={sources}"),
+                );
+            }
+        }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        let name = field.name();
-        if self.result.is_err() || name.starts_with("log.") {
+        match field.name() {
             // `log` records' metadata, which the default leaves out too.
-            return;
+            name if name.starts_with("log.") => {}
+            "message" => self.write(None, format_args!("{value:?}")),
+            name => self.write(Some(name.strip_prefix("r#").unwrap_or(name)), format_args!("{value:?}")),
         }
-        if name == "message" || name.starts_with("r#") {
-            return self.delegate(|v| v.record_debug(field, value));
-        }
-        let space = if std::mem::take(&mut self.is_empty) { "" } else { " " };
-        let w = &mut self.writer;
-        self.result = (|| {
-            w.write_str(space)?;
-            w.write_str(name)?;
-            w.write_str("=")?;
-            write!(w, "{value:?}")
-        })();
     }
 }
 
@@ -241,7 +292,8 @@ mod tests {
     }
 
     /// The text format's fields read exactly as tracing-subscriber's
-    /// default writes them without colours: every kind of value, the
+    /// default writes them without colours, wherever the default keeps an
+    /// event on one line (see the next test): every kind of value, the
     /// message, escapes, errors with their sources, `r#` and `log.` names,
     /// fields recorded after a span was made, spans in spans.
     #[test]
@@ -273,7 +325,7 @@ mod tests {
             tracing::info_span!("hook", hook = %"redact", r#type = "t").in_scope(|| {
                 tracing::warn!(
                     code = "ABORTED",
-                    error = %"a \"quoted\"\n thing",
+                    error = %"a \"quoted\"\t thing",
                     kind = ?Some(3),
                     flag = true,
                     neg = -5i64,
@@ -310,9 +362,31 @@ mod tests {
         };
         let (plain, default) = (read(true), read(false));
         assert_eq!(plain, default);
-        // Eight events; the newline in one's Display field starts a line.
-        assert_eq!(plain.len(), 9, "{plain:#?}");
+        assert_eq!(plain.len(), 8, "one line per event: {plain:#?}");
         assert!(plain.iter().all(|l| !l.contains('\u{1b}')), "{plain:#?}");
+    }
+
+    /// One event is one line: a line break or another control character
+    /// in a value or in the message is escaped, so no text a peer or a
+    /// model provider puts in an error can start what reads as a log line
+    /// of its own.
+    #[test]
+    fn one_event_is_one_line_whatever_its_values_hold() {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let sink = lines.clone();
+        let s = subscriber(Format::Text, EnvFilter::new("info"), false, false, move || Sink(sink.clone()));
+        tracing::subscriber::with_default(s, || {
+            let forged = "bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\u{1b}[2K\u{0}";
+            tracing::warn!(error = %forged, code = "x", "query failed: {}", "two\nlines");
+            let err = std::io::Error::other("disk\nfull");
+            tracing::warn!(error = &err as &(dyn std::error::Error + 'static), "trace not written");
+        });
+        let bytes = lines.lock().map(|l| l.clone()).unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
+        assert_eq!(text.lines().count(), 2, "one line per event: {text:?}");
+        assert!(text.contains(r"error=bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\x1b[2K\x00"), "{text:?}");
+        assert!(text.contains(r"query failed: two\nlines"), "{text:?}");
+        assert!(text.contains(r"trace not written error=disk\nfull"), "{text:?}");
     }
 
     struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
