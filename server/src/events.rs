@@ -150,8 +150,10 @@ pub struct QueryEvents {
 }
 
 impl QueryEvents {
-    /// The stream of what the query's task sends on `rx`.
-    pub fn new(rx: mpsc::Receiver<Out>) -> Self {
+    /// The stream of what the query's task sends on `rx`, at once (the
+    /// service hands it out with [`QueryEvents::after_first`]).
+    #[cfg(test)]
+    fn new(rx: mpsc::Receiver<Out>) -> Self {
         Self { rx, head: None, ended: false }
     }
 

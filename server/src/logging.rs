@@ -205,16 +205,11 @@ impl Visit for PlainVisitor<'_> {
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
         let name = field.name();
+        let shown = Some(name.strip_prefix("r#").unwrap_or(name));
         match value.source() {
-            None => self.write(Some(name.strip_prefix("r#").unwrap_or(name)), format_args!("{value}")),
+            None => self.write(shown, format_args!("{value}")),
             // As the default writes it: `error=… error.sources=[…, …]`.
-            Some(source) => {
-                let sources = Sources(source);
-                self.write(
-                    Some(name.strip_prefix("r#").unwrap_or(name)),
-                    format_args!("{value} {name}.sources={sources}"),
-                );
-            }
+            Some(source) => self.write(shown, format_args!("{value} {name}.sources={}", Sources(source))),
         }
     }
 
@@ -242,13 +237,38 @@ mod tests {
         }
     }
 
+    /// Where the captured subscribers write.
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
+        type Writer = Sink;
+
+        fn make_writer(&'a self) -> Sink {
+            Sink(self.0.clone())
+        }
+    }
+
+    /// What `emit` logs through the subscriber `make` builds on a writer.
+    fn captured<S>(make: impl FnOnce(Lines) -> S, emit: impl FnOnce()) -> String
+    where
+        S: tracing::Subscriber + Send + Sync + 'static,
+    {
+        let lines = Lines::default();
+        tracing::subscriber::with_default(make(lines.clone()), emit);
+        let bytes = lines.0.lock().map(|l| l.clone()).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Lattice's subscriber in text at `levels`, with colours or not.
+    fn text(levels: &str, ansi: bool) -> impl FnOnce(Lines) -> Box<dyn tracing::Subscriber + Send + Sync> {
+        let levels = EnvFilter::new(levels);
+        move |w| Box::new(subscriber(Format::Text, levels, false, ansi, w))
+    }
+
     #[test]
     fn a_level_that_is_off_is_off_for_enabled_too() {
-        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-        let sink = lines.clone();
-        let writer = move || Sink(sink.clone());
-        let s = subscriber(Format::Text, EnvFilter::new("info"), false, false, writer);
-        tracing::subscriber::with_default(s, || {
+        let text = captured(text("info", false), || {
             // What `Tracer::emit` asks before it serializes anything.
             assert!(!tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG));
             assert!(tracing::enabled!(target: "lattice::trace", tracing::Level::INFO));
@@ -256,19 +276,15 @@ mod tests {
             tracing::info!(target: "h2::codec", "from the transport");
             tracing::info!(target: "lattice_server::hooks", "ours");
         });
-        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
         assert!(text.contains("ours"), "{text}");
         assert!(!text.contains("from the transport"), "{text}");
 
         // No level lets the transport crates through without the opt-in.
-        let sink = lines.clone();
-        let s = subscriber(Format::Text, EnvFilter::new("trace"), false, false, move || Sink(sink.clone()));
-        tracing::subscriber::with_default(s, || {
+        let text = captured(self::text("trace", false), || {
             assert!(!tracing::enabled!(target: "h2::proto", tracing::Level::TRACE));
             tracing::trace!(target: "hyper::proto", "frame bytes");
             tracing::trace!(target: "lattice_server::peer", "ours at trace");
         });
-        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
         assert!(text.contains("ours at trace"), "{text}");
         assert!(!text.contains("frame bytes"), "{text}");
     }
@@ -277,14 +293,7 @@ mod tests {
     /// (they are read from files and container logs), and do on one.
     #[test]
     fn text_lines_are_coloured_only_for_a_terminal() {
-        let lines = |ansi| {
-            let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-            let sink = lines.clone();
-            let s = subscriber(Format::Text, EnvFilter::new("info"), false, ansi, move || Sink(sink.clone()));
-            tracing::subscriber::with_default(s, || tracing::info!(elapsed_ms = 3, "hook answered"));
-            let text = lines.lock().unwrap().clone();
-            String::from_utf8(text).unwrap()
-        };
+        let lines = |ansi| captured(text("info", ansi), || tracing::info!(elapsed_ms = 3, "hook answered"));
         let plain = lines(false);
         assert!(plain.contains("hook answered"), "{plain}");
         assert!(!plain.contains('\u{1b}'), "{plain:?}");
@@ -342,23 +351,17 @@ mod tests {
             tracing::info_span!("empty").in_scope(|| tracing::info!("in a span without fields"));
         };
         let read = |plain: bool| {
-            let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-            let sink = lines.clone();
-            let writer = move || Sink(sink.clone());
-            if plain {
-                let s = subscriber(Format::Text, EnvFilter::new("info"), false, false, writer);
-                tracing::subscriber::with_default(s, emit);
+            let logged = if plain {
+                captured(text("info", false), emit)
             } else {
-                let layer = tracing_subscriber::fmt::layer().with_ansi(false).with_writer(writer);
-                let s = tracing_subscriber::registry().with(EnvFilter::new("info")).with(layer);
-                tracing::subscriber::with_default(s, emit);
-            }
-            let bytes = lines.lock().map(|l| l.clone()).unwrap_or_default();
+                let default = |w| {
+                    let layer = tracing_subscriber::fmt::layer().with_ansi(false).with_writer(w);
+                    tracing_subscriber::registry().with(EnvFilter::new("info")).with(layer)
+                };
+                captured(default, emit)
+            };
             // Each line without its timestamp.
-            String::from_utf8_lossy(&bytes)
-                .lines()
-                .map(|l| l.split_once(' ').map_or(l, |(_, rest)| rest).to_owned())
-                .collect::<Vec<_>>()
+            logged.lines().map(|l| l.split_once(' ').map_or(l, |(_, rest)| rest).to_owned()).collect::<Vec<_>>()
         };
         let (plain, default) = (read(true), read(false));
         assert_eq!(plain, default);
@@ -372,17 +375,12 @@ mod tests {
     /// of its own.
     #[test]
     fn one_event_is_one_line_whatever_its_values_hold() {
-        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-        let sink = lines.clone();
-        let s = subscriber(Format::Text, EnvFilter::new("info"), false, false, move || Sink(sink.clone()));
-        tracing::subscriber::with_default(s, || {
+        let text = captured(text("info", false), || {
             let forged = "bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\u{1b}[2K\u{0}";
             tracing::warn!(error = %forged, code = "x", "query failed: {}", "two\nlines");
             let err = std::io::Error::other("disk\nfull");
             tracing::warn!(error = &err as &(dyn std::error::Error + 'static), "trace not written");
         });
-        let bytes = lines.lock().map(|l| l.clone()).unwrap_or_default();
-        let text = String::from_utf8_lossy(&bytes);
         assert_eq!(text.lines().count(), 2, "one line per event: {text:?}");
         assert!(text.contains(r"error=bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\x1b[2K\x00"), "{text:?}");
         assert!(text.contains(r"query failed: two\nlines"), "{text:?}");
