@@ -97,30 +97,32 @@ where
     let transport = filter::filter_fn(move |m: &Metadata<'_>| opted_in || !from_transport(m.target()));
     let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer);
     let layer = match format {
-        Format::Text if !ansi => layer.fmt_fields(PlainFields).boxed(),
-        Format::Text => layer.boxed(),
+        Format::Text => layer.fmt_fields(TextFields).boxed(),
         Format::Json => layer.json().boxed(),
     };
     tracing_subscriber::registry().with(levels).with(transport.boxed()).with(layer)
 }
 
-/// The text format's fields without colours, written as
-/// tracing-subscriber's default writes them (`name=value`, one space
-/// between, the message as text) without the two styling wrappers it
-/// formats for each field, which cost more than the field itself: they
-/// were a third of what the log line of every query cost.
+/// The text format's fields, written as tracing-subscriber's default
+/// writes them (`name=value`, one space between, the message as text; on a
+/// terminal, names in italics and `=` dimmed) with its colour codes written
+/// as they are rather than through the two styling wrappers it formats for
+/// each field, even without colours, which cost more than the field
+/// itself: they were a third of what the log line of every query cost.
 ///
 /// And one event stays one line: control characters in the message and in
-/// values are escaped (see [`Escaping`]). The default escapes terminal
-/// controls in the message alone, so a line break in a `%` value (an
-/// error's text from a peer or a model provider) started what read as a
-/// log line of its own.
+/// values are escaped (see [`Escaping`]). Without colours the default
+/// escapes terminal controls in the message alone, and with them not even
+/// there, so a line break in a `%` value (an error's text from a peer or a
+/// model provider) started what read as a log line of its own, and on a
+/// terminal an escape sequence in it acted on the terminal.
 #[derive(Debug)]
-struct PlainFields;
+struct TextFields;
 
-impl<'w> FormatFields<'w> for PlainFields {
+impl<'w> FormatFields<'w> for TextFields {
     fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> fmt::Result {
-        let mut visitor = PlainVisitor { writer, is_empty: true, result: Ok(()) };
+        let ansi = writer.has_ansi_escapes();
+        let mut visitor = TextVisitor { writer, ansi, is_empty: true, result: Ok(()) };
         fields.record(&mut visitor);
         visitor.result
     }
@@ -167,37 +169,66 @@ impl fmt::Display for Sources<'_> {
     }
 }
 
-struct PlainVisitor<'w> {
+struct TextVisitor<'w> {
     writer: Writer<'w>,
+    /// Colours: the writer is a terminal's.
+    ansi: bool,
     /// Nothing has been written yet (no space before the next field).
     is_empty: bool,
     result: fmt::Result,
 }
 
-impl PlainVisitor<'_> {
+/// `name=`, or `name.sources=` for an error's sources; on a terminal with
+/// the default's colour codes (each part in italics, `=` dimmed).
+fn label(w: &mut Writer<'_>, ansi: bool, name: &str, sources: bool) -> fmt::Result {
+    if !ansi {
+        w.write_str(name)?;
+        return w.write_str(if sources { ".sources=" } else { "=" });
+    }
+    w.write_str("\x1b[3m")?;
+    w.write_str(name)?;
+    w.write_str("\x1b[0m")?;
+    if sources {
+        w.write_str("\x1b[3m.sources\x1b[0m")?;
+    }
+    w.write_str("\x1b[2m=\x1b[0m")
+}
+
+impl TextVisitor<'_> {
     /// Writes one field (`name=`, unless it is the message) and its value,
-    /// escaped.
-    fn write(&mut self, name: Option<&str>, value: fmt::Arguments<'_>) {
+    /// escaped; for an error, then its sources.
+    fn write(
+        &mut self,
+        name: Option<&str>,
+        value: fmt::Arguments<'_>,
+        sources: Option<(&str, &(dyn std::error::Error + 'static))>,
+    ) {
         if self.result.is_err() {
             return;
         }
         let space = if std::mem::take(&mut self.is_empty) { "" } else { " " };
-        let w = &mut self.writer;
+        let (w, ansi) = (&mut self.writer, self.ansi);
         self.result = (|| {
             w.write_str(space)?;
             if let Some(name) = name {
-                w.write_str(name)?;
-                w.write_str("=")?;
+                label(w, ansi, name, false)?;
             }
-            fmt::Write::write_fmt(&mut Escaping(w), value)
+            fmt::Write::write_fmt(&mut Escaping(w), value)?;
+            if let Some((name, source)) = sources {
+                // As the default writes it: `error=… error.sources=[…, …]`.
+                w.write_str(" ")?;
+                label(w, ansi, name, true)?;
+                fmt::Write::write_fmt(&mut Escaping(w), format_args!("{}", Sources(source)))?;
+            }
+            Ok(())
         })();
     }
 }
 
-impl Visit for PlainVisitor<'_> {
+impl Visit for TextVisitor<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" {
-            self.write(None, format_args!("{value}"));
+            self.write(None, format_args!("{value}"), None);
         } else {
             self.record_debug(field, &value);
         }
@@ -206,19 +237,15 @@ impl Visit for PlainVisitor<'_> {
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
         let name = field.name();
         let shown = Some(name.strip_prefix("r#").unwrap_or(name));
-        match value.source() {
-            None => self.write(shown, format_args!("{value}")),
-            // As the default writes it: `error=… error.sources=[…, …]`.
-            Some(source) => self.write(shown, format_args!("{value} {name}.sources={}", Sources(source))),
-        }
+        self.write(shown, format_args!("{value}"), value.source().map(|source| (name, source)));
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
         match field.name() {
             // `log` records' metadata, which the default leaves out too.
             name if name.starts_with("log.") => {}
-            "message" => self.write(None, format_args!("{value:?}")),
-            name => self.write(Some(name.strip_prefix("r#").unwrap_or(name)), format_args!("{value:?}")),
+            "message" => self.write(None, format_args!("{value:?}"), None),
+            name => self.write(Some(name.strip_prefix("r#").unwrap_or(name)), format_args!("{value:?}"), None),
         }
     }
 }
@@ -301,7 +328,7 @@ mod tests {
     }
 
     /// The text format's fields read exactly as tracing-subscriber's
-    /// default writes them without colours, wherever the default keeps an
+    /// default writes them, with colours and without, wherever the default keeps an
     /// event on one line (see the next test): every kind of value, the
     /// message, escapes, errors with their sources, `r#` and `log.` names,
     /// fields recorded after a span was made, spans in spans.
@@ -350,12 +377,12 @@ mod tests {
             });
             tracing::info_span!("empty").in_scope(|| tracing::info!("in a span without fields"));
         };
-        let read = |plain: bool| {
-            let logged = if plain {
-                captured(text("info", false), emit)
+        let read = |ours: bool, ansi: bool| {
+            let logged = if ours {
+                captured(text("info", ansi), emit)
             } else {
                 let default = |w| {
-                    let layer = tracing_subscriber::fmt::layer().with_ansi(false).with_writer(w);
+                    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(w);
                     tracing_subscriber::registry().with(EnvFilter::new("info")).with(layer)
                 };
                 captured(default, emit)
@@ -363,28 +390,45 @@ mod tests {
             // Each line without its timestamp.
             logged.lines().map(|l| l.split_once(' ').map_or(l, |(_, rest)| rest).to_owned()).collect::<Vec<_>>()
         };
-        let (plain, default) = (read(true), read(false));
+        let (plain, default) = (read(true, false), read(false, false));
         assert_eq!(plain, default);
         assert_eq!(plain.len(), 8, "one line per event: {plain:#?}");
         assert!(plain.iter().all(|l| !l.contains('\u{1b}')), "{plain:#?}");
+        // And with colours, as on a terminal.
+        let (coloured, default) = (read(true, true), read(false, true));
+        assert_eq!(coloured, default);
+        assert_eq!(coloured.len(), 8, "one line per event: {coloured:#?}");
+        assert!(coloured.iter().all(|l| l.contains("\u{1b}[")), "{coloured:#?}");
     }
 
     /// One event is one line: a line break or another control character
     /// in a value or in the message is escaped, so no text a peer or a
     /// model provider puts in an error can start what reads as a log line
     /// of its own.
+    /// With colours too (on a terminal, where an escape sequence in a
+    /// value would act on the terminal itself): the colour codes are the
+    /// subscriber's own, around names and `=`, never a value's.
     #[test]
     fn one_event_is_one_line_whatever_its_values_hold() {
-        let text = captured(text("info", false), || {
-            let forged = "bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\u{1b}[2K\u{0}";
-            tracing::warn!(error = %forged, code = "x", "query failed: {}", "two\nlines");
-            let err = std::io::Error::other("disk\nfull");
-            tracing::warn!(error = &err as &(dyn std::error::Error + 'static), "trace not written");
-        });
-        assert_eq!(text.lines().count(), 2, "one line per event: {text:?}");
-        assert!(text.contains(r"error=bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\x1b[2K\x00"), "{text:?}");
-        assert!(text.contains(r"query failed: two\nlines"), "{text:?}");
-        assert!(text.contains(r"trace not written error=disk\nfull"), "{text:?}");
+        for ansi in [false, true] {
+            let text = captured(text("info", ansi), || {
+                let forged = "bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\u{1b}[2K\u{0}";
+                tracing::warn!(error = %forged, code = "x", "query failed: {}", "two\nlines");
+                let err = std::io::Error::other("disk\nfull");
+                tracing::warn!(error = &err as &(dyn std::error::Error + 'static), "trace not written");
+            });
+            assert_eq!(text.lines().count(), 2, "one line per event: {text:?}");
+            let (name, eq) = if ansi { ("\u{1b}[3merror\u{1b}[0m", "\u{1b}[2m=\u{1b}[0m") } else { ("error", "=") };
+            let forged = format!(r"{name}{eq}bad\n2026-01-01T00:00:00.000000Z  INFO forged\r\x1b[2K\x00");
+            assert!(text.contains(&forged), "{text:?}");
+            assert!(text.contains(r"query failed: two\nlines"), "{text:?}");
+            assert!(text.contains(&format!(r"trace not written {name}{eq}disk\nfull")), "{text:?}");
+            // Every escape sequence is one of the subscriber's styles.
+            let styles = ["[0m", "[1m", "[2m", "[3m", "[32m", "[33m", "[34m", "[35m", "[31m"];
+            for seq in text.split('\u{1b}').skip(1) {
+                assert!(styles.iter().any(|s| seq.starts_with(s)), "{seq:?} in {text:?}");
+            }
+        }
     }
 
     struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
