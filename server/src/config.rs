@@ -4,7 +4,7 @@
 //! its line). After that every problem is collected and reported, each with
 //! file, line and field path (`agents[0].hooks[1].endpoint`), so that one run
 //! of `lattice check-config` shows all there is to fix: unknown keys (with a
-//! "did you mean" for near misses, see [`document`]), values of the wrong
+//! "did you mean" for near misses, see `document`), values of the wrong
 //! type (one per agent: an agent that does not deserialize is not validated
 //! further), and every rule the validator checks.
 

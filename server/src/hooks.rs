@@ -15,7 +15,7 @@
 //! wrong, and the value still goes nowhere.
 //!
 //! A failure's kind is decided from the error's structure, never from text
-//! the hook controls: see [`classify`].
+//! the hook controls: see `classify`.
 
 use std::{fmt, sync::Arc, time::Duration};
 

@@ -49,7 +49,7 @@ pub fn code_name(code: Code) -> &'static str {
 const ECHO_CHARS: usize = 64;
 
 /// Client input for a log field: a plain value, control characters
-/// escaped (no line of its own in a text log), cut to [`ECHO_CHARS`]
+/// escaped (no line of its own in a text log), cut to `ECHO_CHARS`
 /// characters with a final "…".
 pub fn log_value(input: &str) -> String {
     let mut out: String = input.chars().take(ECHO_CHARS).flat_map(char::escape_default).collect();
@@ -59,7 +59,7 @@ pub fn log_value(input: &str) -> String {
     out
 }
 
-/// Client input for an error message: quoted, and cut to [`ECHO_CHARS`]
+/// Client input for an error message: quoted, and cut to `ECHO_CHARS`
 /// characters (a status message rides in an HTTP/2 header, which clients
 /// refuse past a few kilobytes).
 pub fn echo(input: &str) -> String {

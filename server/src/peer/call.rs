@@ -90,7 +90,7 @@ impl Probe {
 
 /// When a call must have ended, in the request's extensions: a retry
 /// carries the time left until then in its `grpc-timeout`, and none starts
-/// after it. With a [`Probe`], the call records the `grpc-status` the peer
+/// after it. With a `Probe`, the call records the `grpc-status` the peer
 /// sent there (one extension for both: each is an allocation per call).
 #[derive(Debug, Clone)]
 pub struct CallDeadline {
@@ -320,7 +320,7 @@ impl Drop for Load {
 }
 
 /// A response body that records the `grpc-status` of its trailers, passes
-/// them through [`super::guard::guard`], and counts its call on its address
+/// them through `guard::guard`, and counts its call on its address
 /// until it is read.
 #[derive(Debug)]
 pub struct ProbedBody {

@@ -8,7 +8,7 @@
 //!   each call to the less loaded of two ready ones, taken in rotation.
 //!   Point it at a headless Service and the calls spread over all its ready
 //!   pods; a pod that refuses, sends GOAWAY or reports NOT_SERVING leaves
-//!   the set at once (see [`pool`]), one that is gone from DNS at the next
+//!   the set at once (see `pool`), one that is gone from DNS at the next
 //!   resolution.
 //!
 //! TLS: `https://host:port`, or `dns:///host:port` with a [`Tls`] setting,
@@ -18,7 +18,7 @@
 //! Either way nothing connects at start-up, so a peer that is down then
 //! blocks nothing, and the connection time counts toward each call's
 //! deadline. A call the service provably never received is retried within
-//! its deadline (see [`call`]); any other failure is the call's result.
+//! its deadline (see `call`); any other failure is the call's result.
 
 mod call;
 mod direct;
@@ -101,7 +101,7 @@ pub struct Tls {
     /// endpoint's host.
     pub server_name: Option<String>,
     /// The files the PEM texts were read from: set, they are re-read when
-    /// they change (see [`tls`]).
+    /// they change (see `tls`).
     pub files: Option<TlsFiles>,
 }
 
@@ -288,7 +288,7 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// A tool or hook service: its addresses, each with its connection and
-/// readiness (see [`pool`]), and the calls to them (see [`call`]). A cheap
+/// readiness (see `pool`), and the calls to them (see `call`). A cheap
 /// clone; every clone shares the connections. It is the transport of the
 /// generated gRPC clients.
 #[derive(Debug, Clone)]
