@@ -744,15 +744,21 @@ pub fn workspace_root() -> PathBuf {
 
 /// A binary of the workspace (built before the tests: see the README).
 pub fn workspace_binary(rel: &str) -> PathBuf {
-    let dir =
-        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
-    let path = dir.join("debug").join(rel);
+    let path = debug_dir().join(rel);
     assert!(
         path.exists(),
         "{} is missing: build it first with `cargo build --workspace --bins --examples` (the README's test command does)",
         path.display()
     );
     path
+}
+
+/// The debug build's output directory (`target/debug`, or under
+/// `CARGO_TARGET_DIR`).
+fn debug_dir() -> PathBuf {
+    let dir =
+        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
+    dir.join("debug")
 }
 
 /// TOML fragments for test configs. Compose in this order per agent:
@@ -968,17 +974,21 @@ async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Chi
 }
 
 /// Builds the Go example hook (`hook-sdk/examples/go/build.sh`, from the
-/// .proto and Debian's Go packages; once per test process) and starts it on
-/// a free loopback port with extra arguments; returns its URL and process.
+/// .proto and Debian's Go packages; once per test process, into the debug
+/// build's directory, where the next build replaces it) and starts it on a
+/// free loopback port with extra arguments; returns its URL and process.
 pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
     let binary = BUILT
         .get_or_init(|| async {
-            let out = temp_dir("gohook").join("redact-hook");
+            let out = debug_dir().join("lattice-test-go-hook");
+            // Built under a name of its own, then renamed: another test
+            // process may be running the previous build.
+            let partial = out.with_extension(std::process::id().to_string());
             let build = tokio::process::Command::new("bash")
                 .arg(workspace_root().join("hook-sdk/examples/go/build.sh"))
-                .arg(&out)
+                .arg(&partial)
                 .output()
                 .await
                 .expect("bash");
@@ -989,6 +999,7 @@ pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
                  protoc-gen-go, protoc-gen-go-grpc):\n{}",
                 String::from_utf8_lossy(&build.stderr)
             );
+            std::fs::rename(&partial, &out).expect("the Go example hook's binary");
             out
         })
         .await;
