@@ -137,6 +137,7 @@ struct RawServer {
     drain_ms: Option<u64>,
     peer_health_check_ms: Option<u64>,
     worker_threads: Option<usize>,
+    busy_poll_us: Option<u64>,
     trace_dir: Option<PathBuf>,
     trace_queue_events: Option<usize>,
     trace_max_file_bytes: Option<u64>,
@@ -488,6 +489,10 @@ pub struct ServerSettings {
     pub peer_health_check: Option<Duration>,
     /// Tokio worker threads of `lattice serve`; `None`: one per core.
     pub worker_threads: Option<usize>,
+    /// How long `lattice serve` polls for readiness instead of sleeping
+    /// while a hook or tool call is in flight (`server.busy_poll_us`, see
+    /// [`crate::busy_poll`]); `None`: it sleeps.
+    pub busy_poll: Option<Duration>,
     /// Who may call (`[server.auth]`).
     pub auth: AuthSettings,
     /// Per-principal limits (`[server.limits]`).
@@ -1179,6 +1184,16 @@ impl Validator<'_> {
             let message = format!("{d} ms is above the ceiling of {ceiling} ms (server.hook_deadline_ceiling_ms)");
             self.problem(None, "server.hook_deadline_ms", message);
         }
+        if let Some(us) = s.busy_poll_us.filter(|us| *us > 0) {
+            if us > crate::busy_poll::MAX_US {
+                let message = format!("{us} µs is above the most, {} µs", crate::busy_poll::MAX_US);
+                self.problem(None, "server.busy_poll_us", message);
+            }
+            if s.worker_threads != Some(1) {
+                let message = "needs server.worker_threads = 1 (it polls on the one thread that serves everything)";
+                self.problem(None, "server.busy_poll_us", message.to_owned());
+            }
+        }
         let auth = self.auth(s.auth, tls.as_ref());
         let audit_key = s
             .audit_key_env
@@ -1207,6 +1222,10 @@ impl Validator<'_> {
                 .filter(|v| *v > 0)
                 .map(ms),
             worker_threads: s.worker_threads.map(|n| n.max(1)),
+            busy_poll: s
+                .busy_poll_us
+                .filter(|us| (1..=crate::busy_poll::MAX_US).contains(us))
+                .map(Duration::from_micros),
             auth,
             limits: crate::limits::LimitSettings {
                 queries_in_flight: s.limits.queries_in_flight,

@@ -8,7 +8,9 @@
 //! - [`agent`]: the agent loop (domain types only).
 //! - [`hooks`]: the hook chain: order, deadlines, fail-closed.
 //! - [`tools`]: remote tool services, delegated agents, permissions.
-//! - [`peer`]: channels to tool and hook services (`http://`, `dns:///`).
+//! - [`peer`]: channels to tool and hook services (`http://`, `dns:///`);
+//!   [`busy_poll`]: polling for their answers instead of sleeping
+//!   (`server.busy_poll_us`).
 //! - [`model`]: the model trait and its providers.
 //! - [`session`]: stored conversations (memory or PostgreSQL) and the
 //!   one-query-per-session lease.
@@ -25,6 +27,7 @@
 pub mod agent;
 pub mod audit;
 pub mod auth;
+pub mod busy_poll;
 pub mod client;
 pub mod config;
 pub mod convert;
@@ -176,7 +179,8 @@ pub async fn run(
     };
     let tls_on = config.server.tls.is_some();
     let addr = shown(addr);
-    info!(%addr, agents = config.agents.len(), worker_threads, runtime, tls = tls_on, "serving");
+    let busy_poll_us = busy_poll::budget().map_or(0, |d| d.as_micros() as u64);
+    info!(%addr, agents = config.agents.len(), worker_threads, runtime, busy_poll_us, tls = tls_on, "serving");
     let drain = config.server.drain;
     let shutdown = async move {
         shutdown.await;

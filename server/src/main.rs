@@ -282,6 +282,9 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     }
                 }
             }
+            if let Some(budget) = cfg.server.busy_poll {
+                lattice_server::busy_poll::start(budget);
+            }
             let signal = shutdown_signal();
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,

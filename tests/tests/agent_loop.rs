@@ -816,6 +816,65 @@ async fn worker_threads_sets_the_runtime_size() {
     }
 }
 
+/// `server.busy_poll_us`: `lattice serve` polls while hook and tool calls
+/// are in flight, and sleeps when none is: queries through a real hook and
+/// tool service are answered as without it, and an idle server spends
+/// next to no CPU (a poller that never stopped would spend a whole core).
+#[tokio::test(flavor = "multi_thread")]
+async fn busy_polling_serves_calls_and_sleeps_when_idle() {
+    let (tools, _tools) = lattice_tests::start_example_tools().await;
+    let (redact, _redact) = lattice_tests::start_example("redact", &[]).await;
+    let config = "[server]\nworker_threads = 1\nbusy_poll_us = 500\n".to_owned()
+        + &cfg::agent("support", "")
+        + &cfg::turn("looking", &["lookup_customer:{ query = \"c-100\" }"])
+        + &cfg::turn("model saw: {{last_tool_result}}", &[])
+        + &cfg::tools(&tools, 5000)
+        + &cfg::hook("redact", &redact, &["tool_result"], 2000);
+    let lattice = Lattice::spawn(&config, &[]).await;
+    for _ in 0..20 {
+        let text = lattice.query("support", "Find the customers").await.ok().text.clone();
+        assert!(text.contains("[REDACTED:email]") && !text.contains("ada.lovelace@example.com"), "{text}");
+    }
+    let logs = lattice.process_logs();
+    assert!(logs.contains("\"busy_poll_us\":500"), "{logs}");
+
+    let pid = lattice.pid().expect("a spawned process");
+    // utime + stime, in clock ticks (100 a second).
+    let cpu_ticks = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // After the command come the state (the line's 3rd field) … utime
+        // and stime (its 14th and 15th).
+        let fields: Vec<&str> = stat.rsplit(") ").next().unwrap().split(' ').collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let before = cpu_ticks();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle = cpu_ticks() - before;
+    assert!(idle < 20, "an idle server spent {idle} ticks of 100 in a second");
+    assert_eq!(lattice.query("support", "again").await.ok().turns, 2);
+}
+
+/// `server.busy_poll_us` is bounded and needs the one-thread runtime.
+#[tokio::test]
+async fn busy_polling_is_checked() {
+    let agent = cfg::agent("a", "") + &cfg::turn("hi", &[]);
+    let err =
+        Lattice::try_start(&("[server]\nbusy_poll_us = 50000\n".to_owned() + &agent)).await.err().expect("refused");
+    for expected in [
+        "server.busy_poll_us: 50000 µs is above the most, 10000 µs",
+        "server.busy_poll_us: needs server.worker_threads = 1",
+    ] {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
+    let err = Lattice::try_start(&("[server]\nworker_threads = 2\nbusy_poll_us = 100\n".to_owned() + &agent))
+        .await
+        .err()
+        .expect("refused");
+    assert!(err.contains("server.busy_poll_us: needs server.worker_threads = 1"), "{err}");
+    let ok = Lattice::try_start(&("[server]\nworker_threads = 1\nbusy_poll_us = 0\n".to_owned() + &agent)).await;
+    assert!(ok.is_ok(), "0 is off: {:?}", ok.err());
+}
+
 /// The "starts later" tests hold their port while nothing serves it: a
 /// connection is refused, nothing else can bind it, and serving on it later
 /// takes connections.

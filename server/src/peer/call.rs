@@ -232,7 +232,11 @@ impl tower::Service<http::Request<Body>> for Peer {
                     }
                     attempt.headers_mut().insert(GRPC_TIMEOUT, super::grpc_timeout(left));
                 }
-                match send(&slot, attempt).await {
+                // Polled for, if the process busy-polls, until answered.
+                let in_flight = crate::busy_poll::call();
+                let sent = send(&slot, attempt).await;
+                drop(in_flight);
+                match sent {
                     Ok(mut response) => {
                         if let Some(p) = &probe {
                             // A trailers-only response carries its status in the headers.

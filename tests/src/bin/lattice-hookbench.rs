@@ -31,7 +31,7 @@
 //!
 //! ```text
 //! cargo build --release -p lattice-server --bin lattice -p lattice-tests --bins
-//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-env K=V] [--only latency,throughput,payloads] [--secs 2] [--clients 1,8,64]
+//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-busy-poll-us US] [--lattice-env K=V] [--only latency,throughput,payloads] [--secs 2] [--clients 1,8,64]
 //! ```
 
 use std::{
@@ -342,7 +342,8 @@ async fn main() {
     let per_round: usize = arg("--queries").and_then(|v| v.parse().ok()).unwrap_or(200);
     let csv_path = arg("--csv").unwrap_or_else(|| "hookbench.csv".into());
     // Lattice's `server.worker_threads` (default: one per core).
-    let workers = arg("--lattice-workers").map(|n| format!("worker_threads = {n}\n")).unwrap_or_default();
+    let workers = arg("--lattice-workers").map(|n| format!("worker_threads = {n}\n")).unwrap_or_default()
+        + &arg("--lattice-busy-poll-us").map(|us| format!("busy_poll_us = {us}\n")).unwrap_or_default();
     // `--only latency,throughput,payloads` runs a subset of the sections.
     let only = arg("--only");
     // Seconds each throughput measurement runs.

@@ -1,0 +1,169 @@
+//! Busy polling (`server.busy_poll_us`): while a hook or tool call is in
+//! flight, `lattice serve`'s one worker thread keeps polling for readiness
+//! instead of sleeping in the kernel, for at most the budget at a time.
+//!
+//! A thread that sleeps while it waits for a peer's answer pays for the
+//! sleep when the answer comes: the kernel switches it back in, and on a
+//! virtual machine a core that went idle waits for the hypervisor to
+//! deliver the wake-up. For a call answered in ~100 µs that is a large
+//! share of it, once per call. Polling keeps the thread on its core
+//! (HAProxy's `busy-polling` does the same, for the same reason), and the
+//! price is that core: up to all of it while calls are in flight. With no
+//! call in flight nothing polls, so an idle server sleeps as before. Off
+//! unless configured; it needs `server.worker_threads = 1`.
+//!
+//! The poller is a task on the runtime: while it runs, each turn of the
+//! runtime runs the tasks that are ready, polls the I/O driver without
+//! waiting, and comes back to the poller, which yields again.
+
+use std::sync::{
+    OnceLock,
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+};
+
+use tokio::{
+    sync::Notify,
+    time::{Duration, Instant},
+};
+
+/// The largest budget `server.busy_poll_us` takes (10 ms): more would be
+/// a setting in the wrong unit.
+pub const MAX_US: u64 = 10_000;
+
+/// Calls in flight, and the poller they wake.
+#[derive(Debug, Default)]
+pub struct Poller {
+    in_flight: AtomicUsize,
+    sent: Notify,
+    /// Turns the poller has yielded (for tests).
+    polls: AtomicU64,
+}
+
+static POLLER: OnceLock<(Poller, Duration)> = OnceLock::new();
+
+/// Starts the process's poller on the current runtime, polling for at most
+/// `budget` at a time; from then on [`call`] marks calls. Once a process.
+pub fn start(budget: Duration) {
+    if POLLER.set((Poller::default(), budget)).is_ok()
+        && let Some((poller, budget)) = POLLER.get()
+    {
+        tokio::spawn(poller.run(*budget));
+    }
+}
+
+/// The budget of the process's poller; `None`: it does not poll.
+pub fn budget() -> Option<Duration> {
+    POLLER.get().map(|(_, budget)| *budget)
+}
+
+/// Marks a call in flight until the guard is dropped; `None` (nothing to
+/// mark) unless the process polls.
+pub fn call() -> Option<InFlight<'static>> {
+    POLLER.get().map(|(poller, _)| poller.call())
+}
+
+impl Poller {
+    /// Marks a call in flight until the guard is dropped, and wakes the
+    /// poller.
+    pub fn call(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.sent.notify_one();
+        InFlight(self)
+    }
+
+    /// Polls while a call is in flight, for at most `budget` after a call
+    /// woke it; then waits for the next call.
+    pub async fn run(&self, budget: Duration) {
+        loop {
+            self.sent.notified().await;
+            let until = Instant::now() + budget;
+            while self.in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < until {
+                self.polls.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn polls(&self) -> u64 {
+        self.polls.load(Ordering::Relaxed)
+    }
+}
+
+/// A call in flight (see [`Poller::call`]).
+#[derive(Debug)]
+pub struct InFlight<'a>(&'a Poller);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lets the other tasks of the runtime run `n` turns.
+    async fn turns(n: usize) {
+        for _ in 0..n {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// The poller polls only while a call is in flight, and for at most its
+    /// budget at a time; the next call starts a new budget. On the paused
+    /// clock, time moves only when the test moves it.
+    #[tokio::test(start_paused = true)]
+    async fn it_polls_while_a_call_is_in_flight_for_the_budget_at_most() {
+        let poller: &'static Poller = Box::leak(Box::default());
+        tokio::spawn(poller.run(Duration::from_micros(200)));
+        turns(10).await;
+        assert_eq!(poller.polls(), 0, "nothing in flight: it waits");
+
+        let call = poller.call();
+        turns(10).await;
+        let polled = poller.polls();
+        assert!(polled >= 5, "a call in flight: it polls each turn ({polled})");
+
+        tokio::time::advance(Duration::from_micros(199)).await;
+        turns(10).await;
+        assert!(poller.polls() > polled, "still within the budget");
+
+        tokio::time::advance(Duration::from_micros(2)).await;
+        turns(2).await;
+        let at_budget = poller.polls();
+        turns(10).await;
+        assert_eq!(poller.polls(), at_budget, "past the budget it waits, though the call is in flight");
+
+        let second = poller.call();
+        turns(10).await;
+        assert!(poller.polls() > at_budget, "the next call starts a new budget");
+
+        drop((call, second));
+        turns(2).await;
+        let done = poller.polls();
+        turns(10).await;
+        assert_eq!(poller.polls(), done, "no call in flight: it stops within its budget");
+    }
+
+    /// A call dropped before it was answered (its deadline passed, its
+    /// query was cancelled) is no longer in flight.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_call_is_no_longer_in_flight() {
+        let poller: &'static Poller = Box::leak(Box::default());
+        tokio::spawn(poller.run(Duration::from_millis(10)));
+        let cancelled = tokio::spawn(async move {
+            let _call = poller.call();
+            std::future::pending::<()>().await;
+        });
+        turns(10).await;
+        assert!(poller.polls() > 0);
+        cancelled.abort();
+        turns(2).await;
+        let after = poller.polls();
+        turns(10).await;
+        assert_eq!(poller.polls(), after);
+        assert_eq!(poller.in_flight.load(Ordering::Relaxed), 0);
+    }
+}
