@@ -1186,12 +1186,12 @@ impl Validator<'_> {
         }
         if let Some(us) = s.busy_poll_us.filter(|us| *us > 0) {
             if us > crate::busy_poll::MAX_US {
-                let message = format!("{us} µs is above the most, {} µs", crate::busy_poll::MAX_US);
+                let message = format!("{us} µs is above the limit of {} µs", crate::busy_poll::MAX_US);
                 self.problem(None, "server.busy_poll_us", message);
             }
             if s.worker_threads != Some(1) {
                 let message = "needs server.worker_threads = 1 (it polls on the one thread that serves everything)";
-                self.problem(None, "server.busy_poll_us", message.to_owned());
+                self.problem(None, "server.busy_poll_us", message);
             }
         }
         let auth = self.auth(s.auth, tls.as_ref());

@@ -861,7 +861,7 @@ async fn busy_polling_is_checked() {
     let err =
         Lattice::try_start(&("[server]\nbusy_poll_us = 50000\n".to_owned() + &agent)).await.err().expect("refused");
     for expected in [
-        "server.busy_poll_us: 50000 µs is above the most, 10000 µs",
+        "server.busy_poll_us: 50000 µs is above the limit of 10000 µs",
         "server.busy_poll_us: needs server.worker_threads = 1",
     ] {
         assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
