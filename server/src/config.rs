@@ -1222,10 +1222,7 @@ impl Validator<'_> {
                 .filter(|v| *v > 0)
                 .map(ms),
             worker_threads: s.worker_threads.map(|n| n.max(1)),
-            busy_poll: s
-                .busy_poll_us
-                .filter(|us| (1..=crate::busy_poll::MAX_US).contains(us))
-                .map(Duration::from_micros),
+            busy_poll: s.busy_poll_us.filter(|us| *us > 0).map(Duration::from_micros),
             auth,
             limits: crate::limits::LimitSettings {
                 queries_in_flight: s.limits.queries_in_flight,

@@ -342,7 +342,7 @@ async fn main() {
     let per_round: usize = arg("--queries").and_then(|v| v.parse().ok()).unwrap_or(200);
     let csv_path = arg("--csv").unwrap_or_else(|| "hookbench.csv".into());
     // Lattice's `server.worker_threads` (default: one per core).
-    let workers = arg("--lattice-workers").map(|n| format!("worker_threads = {n}\n")).unwrap_or_default()
+    let runtime = arg("--lattice-workers").map(|n| format!("worker_threads = {n}\n")).unwrap_or_default()
         + &arg("--lattice-busy-poll-us").map(|us| format!("busy_poll_us = {us}\n")).unwrap_or_default();
     // `--only latency,throughput,payloads` runs a subset of the sections.
     let only = arg("--only");
@@ -388,7 +388,7 @@ async fn main() {
     // Lattice with 0/1/3/8 tool_result hooks and 3 on both events, on 1 KiB.
     // Every query starts a session: room for all of them.
     let limits = format!(
-        "[server]\nadmin_listen = \"off\"\nmax_message_bytes = {0}\nhook_max_message_bytes = {0}\ntool_max_message_bytes = {0}\n{workers}\
+        "[server]\nadmin_listen = \"off\"\nmax_message_bytes = {0}\nhook_max_message_bytes = {0}\ntool_max_message_bytes = {0}\n{runtime}\
          [server.auth]\nmode = \"none\"\n[sessions]\nmax_sessions = 100000000\n",
         64 * MIB
     );
