@@ -1161,6 +1161,7 @@ impl Validator<'_> {
         });
         let tls = s.tls.map(|t| self.server_tls(t));
         for (v, f) in [
+            (s.worker_threads.map(|v| v as u64), "server.worker_threads"),
             (s.max_concurrent_queries.map(|v| v as u64), "server.max_concurrent_queries"),
             (s.max_message_bytes.map(|v| v as u64), "server.max_message_bytes"),
             (s.hook_max_message_bytes.map(|v| v as u64), "server.hook_max_message_bytes"),
@@ -1189,7 +1190,8 @@ impl Validator<'_> {
                 let message = format!("{us} µs is above the limit of {} µs", crate::busy_poll::MAX_US);
                 self.problem(None, "server.busy_poll_us", message);
             }
-            if s.worker_threads != Some(1) {
+            // (0 is refused above.)
+            if !matches!(s.worker_threads, Some(0 | 1)) {
                 let message = "needs server.worker_threads = 1 (it polls on the one thread that serves everything)";
                 self.problem(None, "server.busy_poll_us", message);
             }
@@ -1221,7 +1223,7 @@ impl Validator<'_> {
             peer_health_check: Some(s.peer_health_check_ms.unwrap_or(defaults::PEER_HEALTH_CHECK_MS))
                 .filter(|v| *v > 0)
                 .map(ms),
-            worker_threads: s.worker_threads.map(|n| n.max(1)),
+            worker_threads: s.worker_threads,
             busy_poll: s.busy_poll_us.filter(|us| *us > 0).map(Duration::from_micros),
             auth,
             limits: crate::limits::LimitSettings {

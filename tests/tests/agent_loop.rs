@@ -854,7 +854,8 @@ async fn busy_polling_serves_calls_and_sleeps_when_idle() {
     assert_eq!(lattice.query("support", "again").await.ok().turns, 2);
 }
 
-/// `server.busy_poll_us` is bounded and needs the one-thread runtime.
+/// `server.busy_poll_us` is bounded and needs the one-thread runtime;
+/// `server.worker_threads` is at least 1.
 #[tokio::test]
 async fn busy_polling_is_checked() {
     let agent = cfg::agent("a", "") + &cfg::turn("hi", &[]);
@@ -873,6 +874,13 @@ async fn busy_polling_is_checked() {
     assert!(err.contains("server.busy_poll_us: needs server.worker_threads = 1"), "{err}");
     let ok = Lattice::try_start(&("[server]\nworker_threads = 1\nbusy_poll_us = 0\n".to_owned() + &agent)).await;
     assert!(ok.is_ok(), "0 is off: {:?}", ok.err());
+    // No worker thread is no runtime, not one thread: refused, whatever
+    // else the section holds.
+    let err = Lattice::try_start(&("[server]\nworker_threads = 0\nbusy_poll_us = 100\n".to_owned() + &agent))
+        .await
+        .err()
+        .expect("refused");
+    assert!(err.contains("server.worker_threads: must be at least 1"), "{err}");
 }
 
 /// The "starts later" tests hold their port while nothing serves it: a
