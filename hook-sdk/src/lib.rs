@@ -24,6 +24,12 @@
 //! }
 //! ```
 //!
+//! A hook whose work per call is small costs less on one thread
+//! (`#[tokio::main(flavor = "current_thread")]`): each call stays on the
+//! thread that reads it. One that spends milliseconds of CPU on a call keeps
+//! the default runtime, so that other calls go on meanwhile (the README's
+//! "A hook's runtime" has the figures).
+//!
 //! Several hooks can run in one service, in order, each seeing the previous
 //! one's output: [`Chain`]. [`Server`] sets TLS (with
 //! [`Tls::require_client_ca`], mutual TLS), the drain period and the

@@ -31,7 +31,7 @@
 //!
 //! ```text
 //! cargo build --release -p lattice-server --bin lattice -p lattice-tests --bins
-//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-busy-poll-us US] [--lattice-env K=V] [--only latency,throughput,payloads] [--secs 2] [--clients 1,8,64]
+//! target/release/lattice-hookbench [--rounds 5] [--queries 200] [--csv hookbench.csv] [--lattice-workers N] [--lattice-busy-poll-us US] [--lattice-env K=V] [--peer-env K=V] [--only latency,throughput,payloads] [--secs 2] [--clients 1,8,64]
 //! ```
 
 use std::{
@@ -89,7 +89,17 @@ fn sibling(name: &str) -> PathBuf {
     path
 }
 
-fn spawn(bin: &Path, args: &[String], addr: SocketAddr, env: &[(&str, String)]) -> Proc {
+/// The `K=V` pairs of a repeatable flag (`--lattice-env`, `--peer-env`):
+/// environment for the processes it names.
+fn env_flags(flag: &str) -> Vec<(String, String)> {
+    let all: Vec<String> = std::env::args().collect();
+    all.windows(2)
+        .filter(|w| w[0] == flag)
+        .filter_map(|w| w[1].split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+        .collect()
+}
+
+fn spawn(bin: &Path, args: &[String], addr: SocketAddr, env: &[(String, String)]) -> Proc {
     let child = Command::new(bin)
         .args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
@@ -212,14 +222,7 @@ async fn lattice(config: &str, dir: &Path, name: &str) -> (Proc, AgentServiceCli
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, config).unwrap();
     let args = ["serve", "--config", &path.display().to_string(), "--listen", &addr.to_string()].map(String::from);
-    // `--lattice-env K=V` (repeatable) sets Lattice's environment.
-    let all: Vec<String> = std::env::args().collect();
-    let env: Vec<(&str, String)> = all
-        .windows(2)
-        .filter(|w| w[0] == "--lattice-env")
-        .filter_map(|w| w[1].split_once('=').map(|(k, v)| (k, v.to_owned())))
-        .collect();
-    let proc = spawn(&sibling("lattice"), &args, addr, &env);
+    let proc = spawn(&sibling("lattice"), &args, addr, &env_flags("--lattice-env"));
     let client = AgentServiceClient::new(channel(addr).await)
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
@@ -366,7 +369,9 @@ async fn main() {
         .map(|_| {
             let addr = free_addr();
             let args = ["hook", "--listen", &addr.to_string(), "--append", ""].map(String::from);
-            spawn(&peer, &args, addr, &[("LATTICE_HOOK_MAX_MESSAGE_BYTES", (64 * MIB).to_string())])
+            let mut env = env_flags("--peer-env");
+            env.push(("LATTICE_HOOK_MAX_MESSAGE_BYTES".into(), (64 * MIB).to_string()));
+            spawn(&peer, &args, addr, &env)
         })
         .collect();
     let tools: Vec<Proc> = SIZES
@@ -374,7 +379,7 @@ async fn main() {
         .map(|size| {
             let addr = free_addr();
             let args = ["tool", "--listen", &addr.to_string(), "--bytes", &size.to_string()].map(String::from);
-            spawn(&peer, &args, addr, &[])
+            spawn(&peer, &args, addr, &env_flags("--peer-env"))
         })
         .collect();
     let mut bare: Vec<HookServiceClient<Channel>> = vec![];
