@@ -241,15 +241,31 @@ impl std::str::FromStr for LogFormat {
 /// Logs to stderr in `format`, levels from `RUST_LOG` (default `info`),
 /// as `--log-format text|json` in the examples. Does nothing if a global
 /// subscriber is already set.
+///
+/// The rules of Lattice's own logs hold: the transport crates (h2, hyper,
+/// tonic's transport, rustls, …), which log bytes a peer sent at debug and
+/// trace, log nothing whatever `RUST_LOG` says unless
+/// `LATTICE_LOG_TRANSPORT=1`; in text, control characters in messages and
+/// values are escaped, so that a value from a request (a tool call's id)
+/// can neither start a line of its own nor act on a terminal; and text is
+/// coloured only on a terminal.
 #[cfg(feature = "logs")]
 pub fn init_logs(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+    use lattice_proto::logs::{TextFields, from_transport, transport_opted_in};
+    use tracing_subscriber::{EnvFilter, Layer, filter, layer::SubscriberExt, util::SubscriberInitExt};
+    let levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let opted_in = transport_opted_in();
+    let transport = filter::filter_fn(move |m| opted_in || !from_transport(m.target()));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(std::io::stderr);
+    let layer = match format {
+        LogFormat::Text => layer.fmt_fields(TextFields).boxed(),
+        LogFormat::Json => layer.json().boxed(),
     };
+    let _ = tracing_subscriber::registry().with(levels).with(transport).with(layer).try_init();
+    if opted_in {
+        tracing::warn!("LATTICE_LOG_TRANSPORT=1: transport crates may log bytes received from peers");
+    }
 }
 
 /// A message of `role` with one text block.

@@ -7,7 +7,8 @@
 //! [`codec`] is the services' codec: prost's, with a request that does not
 //! decode answered INVALID_ARGUMENT. [`gather`] holds the small writes of an
 //! HTTP/2 connection so that they leave together (Lattice's connections and
-//! the hook SDK's use it).
+//! the hook SDK's use it). With the `logs` feature, the module `logs` holds the
+//! rules their log lines share.
 //!
 //! [`FILE_DESCRIPTOR_SET`] holds the encoded descriptors of all three, for
 //! server reflection; [`ERROR_DETAILS_DESCRIPTOR_SET`] those of the standard
@@ -16,6 +17,8 @@
 
 pub mod codec;
 pub mod gather;
+#[cfg(feature = "logs")]
+pub mod logs;
 
 /// `lattice.agent.*`
 pub mod agent {

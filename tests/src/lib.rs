@@ -878,9 +878,9 @@ pub async fn start_example_env(name: &str, args: &[&str], env: &[(&str, &str)]) 
     example(name, args, env, std::process::Stdio::null).await
 }
 
-/// [`start_example`], its log lines (stderr) written to `log`.
-pub async fn start_example_logging(name: &str, args: &[&str], log: &Path) -> (String, Child) {
-    example(name, args, &[], || std::fs::File::create(log).expect("the example's log file").into()).await
+/// [`start_example_env`], its log lines (stderr) written to `log`.
+pub async fn start_example_logging(name: &str, args: &[&str], env: &[(&str, &str)], log: &Path) -> (String, Child) {
+    example(name, args, env, || std::fs::File::create(log).expect("the example's log file").into()).await
 }
 
 async fn example(

@@ -211,3 +211,46 @@ async fn a_panicking_hook_answers_internal_and_goes_on_serving() {
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+/// A Rust SDK hook's logs (`init_logs`) keep the rules of Lattice's: a
+/// value from a request with a line break in it stays on its event's line,
+/// escaped, and at trace the transport crates, which log what a peer sent,
+/// log nothing unless `LATTICE_LOG_TRANSPORT=1`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_sdk_hooks_logs_keep_values_on_their_line_and_the_transport_quiet() {
+    use lattice_hook_sdk::TextBlock;
+    let forged = "toolu_1\n2026-01-01T00:00:00.000000Z  INFO forged: line\u{1b}[2K";
+    let logs = |transport: bool| async move {
+        let log = lattice_tests::temp_dir("sdk-logs").join("redact.log");
+        let mut env = vec![("RUST_LOG", "trace")];
+        if transport {
+            env.push(("LATTICE_LOG_TRANSPORT", "1"));
+        }
+        let (url, hook) = lattice_tests::start_example_logging("redact", &["--log-format", "text"], &env, &log).await;
+        let mut client = HookServiceClient::connect(url).await.unwrap();
+        let result = ToolResultBlock {
+            tool_use_id: forged.into(),
+            content: vec![TextBlock { text: "nothing to hide".into() }],
+            is_error: false,
+        };
+        let request = OnToolResultRequest { tool_use_id: forged.into(), result: Some(result), ..Default::default() };
+        client.on_tool_result(request).await.unwrap();
+        drop((client, hook));
+        std::fs::read_to_string(&log).unwrap()
+    };
+    let text = logs(false).await;
+    let checked: Vec<&str> = text.lines().filter(|l| l.contains("tool result checked")).collect();
+    assert_eq!(checked.len(), 1, "{text}");
+    assert!(
+        checked[0].contains(r"tool_use_id=toolu_1\n2026-01-01T00:00:00.000000Z  INFO forged: line\x1b[2K"),
+        "{text}"
+    );
+    assert!(!text.lines().any(|l| l.starts_with("2026-01-01")), "a forged line: {text}");
+    assert!(!text.contains('\u{1b}'), "{text:?}");
+    let transport = |text: &str| text.lines().filter(|l| l.contains(" h2::") || l.contains(" hyper")).count();
+    assert_eq!(transport(&text), 0, "{text}");
+    // The same calls with the opt-in: the transport crates' lines are there.
+    let opted_in = logs(true).await;
+    assert!(transport(&opted_in) > 0, "{opted_in}");
+    assert!(opted_in.contains("LATTICE_LOG_TRANSPORT=1: transport crates may log bytes received from peers"));
+}

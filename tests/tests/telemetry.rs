@@ -177,7 +177,7 @@ async fn the_model_api_gets_the_trace_context() {
 async fn an_sdk_hooks_json_logs_carry_the_query_trace() {
     let collector = Collector::start().await;
     let log = temp_dir("sdk-json").join("redact.log");
-    let (url, _hook) = lattice_tests::start_example_logging("redact", &["--log-format", "json"], &log).await;
+    let (url, _hook) = lattice_tests::start_example_logging("redact", &["--log-format", "json"], &[], &log).await;
     let tools = ToolServer::start(vec![ToolDef::new("t", "mail ada@example.com")]).await;
     let config = format!("[telemetry]\notlp_endpoint = {:?}\n", collector.url)
         + &cfg::agent("x", "")
