@@ -251,20 +251,18 @@ impl std::str::FromStr for LogFormat {
 /// coloured only on a terminal.
 #[cfg(feature = "logs")]
 pub fn init_logs(format: LogFormat) {
-    use lattice_proto::logs::{TextFields, from_transport, transport_opted_in};
-    use tracing_subscriber::{EnvFilter, Layer, filter, layer::SubscriberExt, util::SubscriberInitExt};
+    use lattice_proto::logs::{Format, OPTED_IN_WARNING, subscriber, transport_opted_in};
+    use tracing_subscriber::{EnvFilter, util::SubscriberInitExt};
     let levels = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let opted_in = transport_opted_in();
-    let transport = filter::filter_fn(move |m| opted_in || !from_transport(m.target()));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(std::io::stderr);
-    let layer = match format {
-        LogFormat::Text => layer.fmt_fields(TextFields).boxed(),
-        LogFormat::Json => layer.json().boxed(),
+    let format = match format {
+        LogFormat::Text => Format::Text,
+        LogFormat::Json => Format::Json,
     };
-    let _ = tracing_subscriber::registry().with(levels).with(transport).with(layer).try_init();
+    let _ = subscriber(format, levels, opted_in, ansi, std::io::stderr).try_init();
     if opted_in {
-        tracing::warn!("LATTICE_LOG_TRANSPORT=1: transport crates may log bytes received from peers");
+        tracing::warn!("{OPTED_IN_WARNING}");
     }
 }
 

@@ -9,14 +9,62 @@
 //! - [`TextFields`]: the text format's fields, with control characters
 //!   escaped, so that a value from a peer (an error's text, a tool call's
 //!   id) can neither start a line of its own nor act on a terminal.
+//! - [`subscriber`]: the subscriber both install, built from those two.
 
 use std::fmt;
 
-use tracing::field::{Field, Visit};
-use tracing_subscriber::{
-    field::RecordFields,
-    fmt::{FormatFields, format::Writer},
+use tracing::{
+    Metadata,
+    field::{Field, Visit},
 };
+use tracing_subscriber::{
+    EnvFilter, Layer,
+    field::RecordFields,
+    filter,
+    fmt::{FormatFields, MakeWriter, format::Writer},
+    layer::SubscriberExt,
+    registry::LookupSpan,
+};
+
+/// The log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// A log subscriber writing to `writer` in `format`: events below `levels`
+/// dropped, and those of the transport crates too unless `opted_in` (see
+/// [`transport_opted_in`]); colour codes only with `ansi` (a terminal).
+///
+/// Both filters are global (layers of their own, not per-layer filters), so
+/// a callsite they turn off is off for good: `tracing::enabled!` says so,
+/// and the h2 and hyper events on every frame cost nothing. (A per-layer
+/// filter answers `enabled` with "maybe", which made Lattice's trace writer
+/// serialize every event for a log line that was then dropped.)
+pub fn subscriber<W>(
+    format: Format,
+    levels: EnvFilter,
+    opted_in: bool,
+    ansi: bool,
+    writer: W,
+) -> impl tracing::Subscriber + for<'a> LookupSpan<'a> + Send + Sync
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let transport = filter::filter_fn(move |m: &Metadata<'_>| opted_in || !from_transport(m.target()));
+    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer);
+    let layer = match format {
+        Format::Text => layer.fmt_fields(TextFields).boxed(),
+        Format::Json => layer.json().boxed(),
+    };
+    tracing_subscriber::registry().with(levels).with(transport.boxed()).with(layer)
+}
+
+/// What to warn, once logging runs, when [`TRANSPORT_OPT_IN`] is set.
+pub const OPTED_IN_WARNING: &str = "LATTICE_LOG_TRANSPORT=1: transport crates may log bytes received from peers";
 
 /// The variable that lets the transport crates' events through.
 pub const TRANSPORT_OPT_IN: &str = "LATTICE_LOG_TRANSPORT";

@@ -13,18 +13,9 @@
 //! bytes peers sent, which may hold unredacted tool output: use it only on
 //! a deployment whose data may be seen, and never leave it on.
 
-pub use lattice_proto::logs::{TRANSPORT_OPT_IN, TextFields, from_transport};
-use tracing::Metadata;
-use tracing_subscriber::{EnvFilter, Layer, filter, layer::SubscriberExt, util::SubscriberInitExt};
-
-/// The log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+pub use lattice_proto::logs::{Format, TRANSPORT_OPT_IN, from_transport};
+use lattice_proto::logs::{OPTED_IN_WARNING, subscriber, transport_opted_in};
+use tracing_subscriber::{EnvFilter, layer::SubscriberExt, util::SubscriberInitExt};
 
 /// Installs the global subscriber: levels from `RUST_LOG` (default `info`),
 /// to stderr, with the transport crates dropped unless opted in.
@@ -41,41 +32,15 @@ pub fn init_with(format: Format, tracer: Option<opentelemetry_sdk::trace::Tracer
     {
         levels = levels.add_directive(directive);
     }
-    let opted_in = lattice_proto::logs::transport_opted_in();
+    let opted_in = transport_opted_in();
     let otel = tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t));
     // Colours only where a person reads them: a log file or a container's
     // log would get escape codes in every line.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = subscriber(format, levels, opted_in, ansi, std::io::stderr).with(otel).try_init();
     if opted_in {
-        tracing::warn!("{TRANSPORT_OPT_IN}=1: transport crates may log bytes received from peers");
+        tracing::warn!("{OPTED_IN_WARNING}");
     }
-}
-
-/// The subscriber `init` installs, writing to `writer`.
-///
-/// Both filters are global (layers of their own, not per-layer filters), so
-/// a callsite they turn off is off for good: `tracing::enabled!` says so,
-/// and the h2 and hyper events on every frame cost nothing. (A per-layer
-/// filter answers `enabled` with "maybe", which made the trace writer
-/// serialize every event for a log line that was then dropped.)
-fn subscriber<W>(
-    format: Format,
-    levels: EnvFilter,
-    opted_in: bool,
-    ansi: bool,
-    writer: W,
-) -> impl tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a> + Send + Sync
-where
-    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
-{
-    let transport = filter::filter_fn(move |m: &Metadata<'_>| opted_in || !from_transport(m.target()));
-    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer);
-    let layer = match format {
-        Format::Text => layer.fmt_fields(TextFields).boxed(),
-        Format::Json => layer.json().boxed(),
-    };
-    tracing_subscriber::registry().with(levels).with(transport.boxed()).with(layer)
 }
 
 #[cfg(test)]
