@@ -16,8 +16,18 @@ stop_postgres() {
   fi
 }
 trap stop_postgres EXIT
+# The tests' scratch directories (lattice_tests::temp_dir): removed when
+# every test passed, kept after a failure.
+scratch="${TMPDIR:-/tmp}/lattice-tests"
+rm -rf "$scratch"
 cargo build --workspace --bins --examples --locked
 RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --target x86_64-unknown-linux-gnu \
   -p lattice-server --bin lattice -p lattice-tests --bin lattice-test-peer
 cargo test --doc --workspace --locked
-cargo nextest run --workspace --locked --no-fail-fast
+if cargo nextest run --workspace --locked --no-fail-fast; then
+  rm -rf "$scratch"
+else
+  status=$?
+  [ -d "$scratch" ] && echo "the tests' scratch files are kept in $scratch"
+  exit "$status"
+fi

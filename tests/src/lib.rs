@@ -115,11 +115,18 @@ async fn free_addr() -> SocketAddr {
     addr
 }
 
-/// A fresh empty directory under the system temp dir.
+/// Where [`temp_dir`] makes its directories: `$TMPDIR/lattice-tests`.
+/// `tests/run.sh` empties it before the tests and removes it after they
+/// pass; after a failure it is kept for whoever looks into it.
+pub fn temp_root() -> PathBuf {
+    std::env::temp_dir().join("lattice-tests")
+}
+
+/// A fresh empty directory under [`temp_root`].
 pub fn temp_dir(tag: &str) -> PathBuf {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("lattice-test-{tag}-{}-{n}", std::process::id()));
+    let dir = temp_root().join(format!("{tag}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
