@@ -8,7 +8,10 @@
 //!   the same payload, the same deadline as Lattice's hook calls): latency
 //!   per RPC, and the client's CPU per RPC;
 //! - **direct chain**: the same client calling 1, 3 and 8 hook services one
-//!   after another, passing the value along;
+//!   after another, passing the value along; and the same in a query's
+//!   pattern: the tool, then the hooks, less the tool alone (each hook
+//!   waits between calls as it does under Lattice, where a chain of one
+//!   calls its hook back to back);
 //! - **Lattice** with 0, 1, 3 and 8 OnToolResult hooks (and 3 on both
 //!   events): queries of two scripted model turns and one tool call. The
 //!   hooks' share is the difference to 0 hooks: added latency and
@@ -18,7 +21,8 @@
 //! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query;
 //! the two measured in alternating half-second slices), and against the
 //! same four calls (the tool, then the three hooks) made directly by the
-//! same clients, in slices of their own, with the CPU each
+//! same clients, in slices of their own (what a query takes beyond them is
+//! the client's own call to Lattice and Lattice's work), with the CPU each
 //! side spent per RPC or query (clients, Lattice, the peers), and payloads
 //! of 1 KiB to 16 MiB through 3 hooks against three bare echoes of the
 //! same payload, with Lattice's peak RSS (`VmHWM`, reset before each size's
@@ -436,6 +440,11 @@ async fn main() {
     let latency_rounds = if section("latency") { rounds } else { 0 };
     let mut bare_s = Sample::default();
     let mut direct: Vec<Sample> = vec![Sample::default(); 3];
+    // The direct calls in a query's pattern: the tool, then 0, 1, 3 or 8
+    // hooks, so that each hook waits between calls as it does under
+    // Lattice (the chain above calls a single hook back to back).
+    let mut direct_q: Vec<Sample> = vec![Sample::default(); 4];
+    let mut tool_direct = ToolServiceClient::new(channel(tools[0].addr).await);
     let mut lat: Vec<Sample> = vec![Sample::default(); rows.len()];
     let me = std::process::id();
     for round in 0..latency_rounds {
@@ -456,6 +465,15 @@ async fn main() {
                 s.times.push(t.elapsed());
             }
             direct[i].add(s);
+        }
+        for (i, k) in [0usize, 1, 3, 8].into_iter().enumerate() {
+            let mut s = Sample::default();
+            for _ in 0..per_round {
+                let t = Instant::now();
+                four_calls(&mut tool_direct, &mut bare[..k], &request).await;
+                s.times.push(t.elapsed());
+            }
+            direct_q[i].add(s);
         }
         for (i, (_, _, (proc, client))) in rows.iter_mut().enumerate() {
             let before = cpu(proc.pid());
@@ -490,14 +508,23 @@ async fn main() {
                 us(direct[i].p(0.99))
             );
         }
+        for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+            let added = (us(direct_q[i + 1].p(0.5)) - us(direct_q[0].p(0.5))) / k as f64;
+            println!(
+                "  direct, a query's pattern (the tool, then {k}): p50 {:.0} µs, {added:.0} µs per hook more than the tool alone ({:.0} µs)",
+                us(direct_q[i + 1].p(0.5)),
+                us(direct_q[0].p(0.5)),
+            );
+        }
         let base = &lat[0];
         println!(
-            "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>12} {:>12}",
+            "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>14} {:>12} {:>12}",
             "Lattice",
             "p50 µs",
             "p99 µs",
             "added/hook p50",
             "vs direct",
+            "vs pattern",
             "added/hook p99",
             "CPU/hook µs",
             "vs bare CPU"
@@ -524,13 +551,26 @@ async fn main() {
                 _ => 8.0,
             };
             let (d50, d99) = (us(d.p(0.5)) / dk, us(d.p(0.99)) / dk);
+            // The same hooks' share in a query's pattern, made directly.
+            let q = match calls {
+                1 => &direct_q[1],
+                3 => &direct_q[2],
+                _ => &direct_q[3],
+            };
+            let q50 = (us(q.p(0.5)) - us(direct_q[0].p(0.5))) / dk;
             let cpu_per_hook = (us(s.cpu_per(1)) - us(base.cpu_per(1))) / *calls as f64;
             println!(
-                "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}×",
+                "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}×",
                 added50 / d50,
+                added50 / q50,
                 cpu_per_hook / us(bare_cpu)
             );
             let _ = writeln!(csv, "lattice,{label} added_p50_per_hook_us,{added50:.1},{d50:.1},{:.3}", added50 / d50);
+            let _ = writeln!(
+                csv,
+                "lattice,{label} added_p50_per_hook_vs_pattern_us,{added50:.1},{q50:.1},{:.3}",
+                added50 / q50
+            );
             let _ = writeln!(csv, "lattice,{label} added_p99_per_hook_us,{added99:.1},{d99:.1},{:.3}", added99 / d99);
             let _ = writeln!(
                 csv,
@@ -636,6 +676,15 @@ async fn main() {
                 "       the query's four calls made directly: {cps:.0} chains/s; Lattice beside them {qps_by_chains:.0} queries/s = {:.0} % of it",
                 100.0 * qps_by_chains / cps
             );
+            // A query's time beyond its four calls made directly: the
+            // client's own call to Lattice plus all Lattice does, against
+            // the time of one bare RPC at this concurrency.
+            let (rpc_us, beyond_us) =
+                (1e6 * clients as f64 / rps, 1e6 * clients as f64 * (1.0 / qps_by_chains - 1.0 / cps));
+            println!(
+                "       a query's time beyond those four calls (the client's own call and Lattice's work): {beyond_us:.0} µs = {:.2} bare RPCs ({rpc_us:.0} µs)",
+                beyond_us / rpc_us
+            );
             let per = |d: Duration, n: f64| us(d) / n.max(1.0);
             println!(
                 "       CPU µs: bare RPC client {:.1} + server {:.1}; query client {:.1} + Lattice {:.1} + peers {:.1} ({:.1} per RPC)",
@@ -667,6 +716,11 @@ async fn main() {
                 csv,
                 "throughput,{clients} clients queries_per_direct_chain,{qps_by_chains:.0},{cps:.0},{:.3}",
                 qps_by_chains / cps
+            );
+            let _ = writeln!(
+                csv,
+                "throughput,{clients} clients time_beyond_direct_calls_us,{beyond_us:.1},{rpc_us:.1},{:.3}",
+                beyond_us / rpc_us
             );
         }
     }
