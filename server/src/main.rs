@@ -11,9 +11,32 @@ use tokio::net::TcpListener;
 /// maps, messages) cost a fraction of glibc's, and no per-thread arena keeps
 /// what a large query freed. With `MIMALLOC_PURGE_DELAY=0` (deploy/'s image
 /// sets it) freed pages go back to the system at once; by default mimalloc
-/// waits a second, and only later allocations end the wait.
+/// waits a second, and only later allocations end the wait. `serve` turns
+/// transparent huge pages off (see [`huge_pages_off`]).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Turns transparent huge pages off for this process, unless
+/// `MIMALLOC_ALLOW_THP` asks for them (`1`, `true`, `yes` or `on`, as
+/// mimalloc reads it). mimalloc asks the kernel for huge pages (`madvise`),
+/// and where the kernel compacts memory to find one on a page fault (its
+/// default for such requests) the thread that touched the page waits: in
+/// `lattice-hookbench` every Lattice process had queries of 5–8 ms instead
+/// of 0.3–1.5 at the same query numbers (the 896th and the 915th in each),
+/// where its memory grew. Without huge pages those were gone, and the CPU
+/// per query was the same.
+/// Whether they are off shows as `THP_enabled: 0` in `/proc/PID/status`.
+fn huge_pages_off() {
+    let opted_in = std::env::var("MIMALLOC_ALLOW_THP")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+    if opted_in {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    if let Err(e) = rustix::thread::disable_transparent_huge_pages(true) {
+        tracing::warn!(error = %e, "transparent huge pages stay on: the kernel refused to turn them off");
+    }
+}
 
 /// EX_USAGE: the config (or the command line) is wrong.
 const EXIT_CONFIG: u8 = 64;
@@ -282,6 +305,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     }
                 }
             }
+            huge_pages_off();
             if let Some(budget) = cfg.server.busy_poll {
                 lattice_server::busy_poll::start(budget);
             }

@@ -854,6 +854,27 @@ async fn busy_polling_serves_calls_and_sleeps_when_idle() {
     assert_eq!(lattice.query("support", "again").await.ok().turns, 2);
 }
 
+/// `lattice serve` runs without transparent huge pages: mimalloc asks the
+/// kernel for them, and where the kernel compacts memory to find one on a
+/// page fault (Debian's default for such requests) a query waits for it,
+/// milliseconds at a time. `MIMALLOC_ALLOW_THP=1` leaves them on.
+#[tokio::test]
+async fn lattice_serve_runs_without_transparent_huge_pages() {
+    let config = cfg::agent("a", "") + &cfg::turn("hi", &[]);
+    let thp_enabled = |lattice: &Lattice| {
+        let pid = lattice.pid().expect("a spawned process");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("THP_enabled:")).expect("THP_enabled in /proc/PID/status");
+        line.split_whitespace().nth(1).unwrap().to_owned()
+    };
+    let lattice = Lattice::spawn(&config, &[]).await;
+    assert_eq!(lattice.query("a", "x").await.ok().turns, 1);
+    assert_eq!(thp_enabled(&lattice), "0");
+    let opted_in = Lattice::spawn(&config, &[("MIMALLOC_ALLOW_THP", "1")]).await;
+    assert_eq!(opted_in.query("a", "x").await.ok().turns, 1);
+    assert_eq!(thp_enabled(&opted_in), "1");
+}
+
 /// `server.busy_poll_us` is bounded and needs the one-thread runtime;
 /// `server.worker_threads` is at least 1.
 #[tokio::test]
