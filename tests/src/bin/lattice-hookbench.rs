@@ -15,7 +15,8 @@
 //! - **Lattice** with 0, 1, 3 and 8 OnToolResult hooks (and 3 on both
 //!   events): queries of two scripted model turns and one tool call. The
 //!   hooks' share is the difference to 0 hooks: added latency and
-//!   Lattice's CPU (`/proc/PID/task/*/schedstat`) per hook call.
+//!   Lattice's CPU (`/proc/PID/task/*/schedstat`) per hook call; and how
+//!   many queries in a thousand took over twice the row's median (stalls).
 //!
 //! Then throughput with 3 hooks at 1, 8 and 64 clients against the bare-RPC
 //! ceiling (bare RPC/s at the same concurrency ÷ the 4 RPCs of a query;
@@ -289,6 +290,12 @@ impl Sample {
         t.sort();
         t.get(((t.len().max(1) - 1) as f64 * q).round() as usize).copied().unwrap_or_default()
     }
+    /// How many in a thousand took over twice the median: stalls that a
+    /// p99 of a thousand can miss (it is the tenth slowest).
+    fn slow_per_mille(&self) -> f64 {
+        let twice = self.p(0.5) * 2;
+        1000.0 * self.times.iter().filter(|t| **t > twice).count() as f64 / self.times.len().max(1) as f64
+    }
     fn cpu_per(&self, calls_per_item: usize) -> Duration {
         self.cpu / (self.times.len().max(1) * calls_per_item) as u32
     }
@@ -502,10 +509,11 @@ async fn main() {
         let _ = writeln!(csv, "bare,client_cpu_per_rpc_us,{:.1},,", us(bare_cpu));
         for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
             println!(
-                "  direct chain of {k}: p50 {:.0} µs ({:.0} µs per call), p99 {:.0} µs",
+                "  direct chain of {k}: p50 {:.0} µs ({:.0} µs per call), p99 {:.0} µs, {:.0}‰ over twice the p50",
                 us(direct[i].p(0.5)),
                 us(direct[i].p(0.5)) / k as f64,
-                us(direct[i].p(0.99))
+                us(direct[i].p(0.99)),
+                direct[i].slow_per_mille()
             );
         }
         for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
@@ -518,7 +526,7 @@ async fn main() {
         }
         let base = &lat[0];
         println!(
-            "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>14} {:>12} {:>12}",
+            "  {:<22} {:>9} {:>9} {:>14} {:>14} {:>14} {:>14} {:>12} {:>12} {:>8}",
             "Lattice",
             "p50 µs",
             "p99 µs",
@@ -527,13 +535,16 @@ async fn main() {
             "vs pattern",
             "added/hook p99",
             "CPU/hook µs",
-            "vs bare CPU"
+            "vs bare CPU",
+            "> 2×p50"
         );
         for (i, (label, calls, _)) in rows.iter().enumerate() {
             let s = &lat[i];
             let (p50, p99) = (us(s.p(0.5)), us(s.p(0.99)));
+            let slow = s.slow_per_mille();
+            let _ = writeln!(csv, "lattice,{label} over_twice_p50_per_mille,{slow:.0},,");
             if *calls == 0 {
-                println!("  {label:<22} {p50:>9.0} {p99:>9.0}");
+                println!("  {label:<22} {p50:>9.0} {p99:>9.0} {:>93.0}‰", slow);
                 let _ = writeln!(csv, "lattice,{label} p50_us,{p50:.1},,");
                 continue;
             }
@@ -560,7 +571,7 @@ async fn main() {
             let q50 = (us(q.p(0.5)) - us(direct_q[0].p(0.5))) / dk;
             let cpu_per_hook = (us(s.cpu_per(1)) - us(base.cpu_per(1))) / *calls as f64;
             println!(
-                "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}×",
+                "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}× {slow:>7.0}‰",
                 added50 / d50,
                 added50 / q50,
                 cpu_per_hook / us(bare_cpu)
