@@ -63,6 +63,9 @@ const MIB: usize = 1024 * KIB;
 const PAGE: usize = 4 * KIB;
 /// Hook counts of the Lattice rows.
 const HOOKS: [usize; 4] = [0, 1, 3, 8];
+/// Lengths of the direct chains: the Lattice rows' hook counts, where a
+/// row of more calls (3 hooks on both events: 9) is set beside the longest.
+const CHAINS: [usize; 3] = [1, 3, 8];
 /// Payload sizes of the payload rows.
 const SIZES: [usize; 4] = [KIB, 64 * KIB, MIB, 16 * MIB];
 
@@ -215,9 +218,9 @@ async fn chain(hooks: &mut [HookServiceClient<Channel>], request: &hpb::OnToolRe
 /// services).
 const TOOL_DEADLINE: Duration = Duration::from_secs(60);
 
-/// What a query to the 3-hook agent asks of its peers, made directly: the
-/// tool call, then the three hooks one after another.
-async fn four_calls(
+/// What a query asks of its peers, made directly: the tool call, then
+/// `hooks` one after another (the 3-hook agent's query with three).
+async fn tool_then_hooks(
     tool: &mut ToolServiceClient<Channel>,
     hooks: &mut [HookServiceClient<Channel>],
     request: &hpb::OnToolResultRequest,
@@ -448,11 +451,11 @@ async fn main() {
     let request = tool_result(KIB);
     let latency_rounds = if section("latency") { rounds } else { 0 };
     let mut bare_s = Sample::default();
-    let mut direct: Vec<Sample> = vec![Sample::default(); 3];
+    let mut direct: Vec<Sample> = vec![Sample::default(); CHAINS.len()];
     // The direct calls in a query's pattern: the tool, then 0, 1, 3 or 8
     // hooks, so that each hook waits between calls as it does under
     // Lattice (the chain above calls a single hook back to back).
-    let mut direct_q: Vec<Sample> = vec![Sample::default(); 4];
+    let mut direct_q: Vec<Sample> = vec![Sample::default(); CHAINS.len() + 1];
     let mut tool_direct = ToolServiceClient::new(channel(tools[0].addr).await);
     let mut lat: Vec<Sample> = vec![Sample::default(); rows.len()];
     let me = std::process::id();
@@ -466,7 +469,7 @@ async fn main() {
         }
         s.cpu = cpu(me) - before;
         bare_s.add(s);
-        for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+        for (i, k) in CHAINS.into_iter().enumerate() {
             let mut s = Sample::default();
             for _ in 0..per_round {
                 let t = Instant::now();
@@ -475,11 +478,11 @@ async fn main() {
             }
             direct[i].add(s);
         }
-        for (i, k) in [0usize, 1, 3, 8].into_iter().enumerate() {
+        for (i, k) in [0].into_iter().chain(CHAINS).enumerate() {
             let mut s = Sample::default();
             for _ in 0..per_round {
                 let t = Instant::now();
-                four_calls(&mut tool_direct, &mut bare[..k], &request).await;
+                tool_then_hooks(&mut tool_direct, &mut bare[..k], &request).await;
                 s.times.push(t.elapsed());
             }
             direct_q[i].add(s);
@@ -509,7 +512,7 @@ async fn main() {
         let _ = writeln!(csv, "bare,rpc_p50_us,{:.1},,", us(bare_s.p(0.5)));
         let _ = writeln!(csv, "bare,rpc_p99_us,{:.1},,", us(bare_s.p(0.99)));
         let _ = writeln!(csv, "bare,client_cpu_per_rpc_us,{:.1},,", us(bare_cpu));
-        for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+        for (i, k) in CHAINS.into_iter().enumerate() {
             println!(
                 "  direct chain of {k}: p50 {:.0} µs ({:.0} µs per call), p99 {:.0} µs, {:.0}‰ over twice the p50",
                 us(direct[i].p(0.5)),
@@ -518,7 +521,7 @@ async fn main() {
                 direct[i].slow_per_mille()
             );
         }
-        for (i, k) in [1usize, 3, 8].into_iter().enumerate() {
+        for (i, k) in CHAINS.into_iter().enumerate() {
             let added = (us(direct_q[i + 1].p(0.5)) - us(direct_q[0].p(0.5))) / k as f64;
             println!(
                 "  direct, a query's pattern (the tool, then {k}): p50 {:.0} µs, {added:.0} µs per hook more than the tool alone ({:.0} µs)",
@@ -553,24 +556,11 @@ async fn main() {
             let added50 = (p50 - us(base.p(0.5))) / *calls as f64;
             let added99 = (p99 - us(base.p(0.99))) / *calls as f64;
             // The direct chain of the same length (8 for 9 calls of "both").
-            let d = match calls {
-                1 => &direct[0],
-                3 => &direct[1],
-                _ => &direct[2],
-            };
-            let dk = match calls {
-                1 => 1.0,
-                3 => 3.0,
-                _ => 8.0,
-            };
+            let j = CHAINS.iter().position(|k| k == calls).unwrap_or(CHAINS.len() - 1);
+            let (d, dk) = (&direct[j], CHAINS[j] as f64);
             let (d50, d99) = (us(d.p(0.5)) / dk, us(d.p(0.99)) / dk);
             // The same hooks' share in a query's pattern, made directly.
-            let q = match calls {
-                1 => &direct_q[1],
-                3 => &direct_q[2],
-                _ => &direct_q[3],
-            };
-            let q50 = (us(q.p(0.5)) - us(direct_q[0].p(0.5))) / dk;
+            let q50 = (us(direct_q[j + 1].p(0.5)) - us(direct_q[0].p(0.5))) / dk;
             let cpu_per_hook = (us(s.cpu_per(1)) - us(base.cpu_per(1))) / *calls as f64;
             println!(
                 "  {label:<22} {p50:>9.0} {p99:>9.0} {added50:>14.0} {:>13.2}× {:>13.2}× {added99:>14.0} {cpu_per_hook:>12.1} {:>11.2}× {slow:>7.0}‰",
@@ -668,7 +658,7 @@ async fn main() {
                                 let (n, took) = throughput(clients, slice, move |_| {
                                     let (mut t, mut h, req) = (t.clone(), h.clone(), req.clone());
                                     async move {
-                                        four_calls(&mut t, &mut h, &req).await;
+                                        tool_then_hooks(&mut t, &mut h, &req).await;
                                     }
                                 })
                                 .await;
