@@ -1185,12 +1185,14 @@ impl Validator<'_> {
             let message = format!("{d} ms is above the ceiling of {ceiling} ms (server.hook_deadline_ceiling_ms)");
             self.problem(None, "server.hook_deadline_ms", message);
         }
-        if let Some(us) = s.busy_poll_us.filter(|us| *us > 0) {
+        // 0 is off, as is no setting.
+        let busy_poll_us = s.busy_poll_us.filter(|us| *us > 0);
+        if let Some(us) = busy_poll_us {
             if us > crate::busy_poll::MAX_US {
                 let message = format!("{us} µs is above the limit of {} µs", crate::busy_poll::MAX_US);
                 self.problem(None, "server.busy_poll_us", message);
             }
-            // (0 is refused above.)
+            // (worker_threads = 0 is refused above.)
             if !matches!(s.worker_threads, Some(0 | 1)) {
                 let message = "needs server.worker_threads = 1 (it polls on the one thread that serves everything)";
                 self.problem(None, "server.busy_poll_us", message);
@@ -1224,7 +1226,7 @@ impl Validator<'_> {
                 .filter(|v| *v > 0)
                 .map(ms),
             worker_threads: s.worker_threads,
-            busy_poll: s.busy_poll_us.filter(|us| *us > 0).map(Duration::from_micros),
+            busy_poll: busy_poll_us.map(Duration::from_micros),
             auth,
             limits: crate::limits::LimitSettings {
                 queries_in_flight: s.limits.queries_in_flight,
