@@ -23,7 +23,9 @@
 //! the two measured in alternating half-second slices), and against the
 //! same four calls (the tool, then the three hooks) made directly by the
 //! same clients, in slices of their own (what a query takes beyond them is
-//! the client's own call to Lattice and Lattice's work), with the CPU each
+//! the client's own call to Lattice and Lattice's work; at 1 client, where
+//! every step waits for the one before, those four calls and one bare RPC
+//! are what Lattice would reach with no work of its own), with the CPU each
 //! side spent per RPC or query (clients, Lattice, the peers), and payloads
 //! of 1 KiB to 16 MiB through 3 hooks against three bare echoes of the
 //! same payload, with Lattice's peak RSS (`VmHWM`, reset before each size's
@@ -688,6 +690,23 @@ async fn main() {
                 "       a query's time beyond those four calls (the client's own call and Lattice's work): {beyond_us:.0} µs = {:.2} bare RPCs ({rpc_us:.0} µs)",
                 beyond_us / rpc_us
             );
+            if clients == 1 {
+                // One client waits for every step in turn, so a query takes
+                // at least its four calls and one more round trip (the
+                // client's own): what Lattice would reach with no work of
+                // its own, the ceiling's four RPCs a query notwithstanding.
+                let bound = 1.0 / (1.0 / cps + 1.0 / rps);
+                println!(
+                    "       with no work of its own Lattice would reach {bound:.0} queries/s (those four calls and one bare RPC) = {:.0} % of the ceiling; it reached {:.0} % of that",
+                    100.0 * bound / ceiling,
+                    100.0 * qps / bound
+                );
+                let _ = writeln!(
+                    csv,
+                    "throughput,1 clients queries_per_s_vs_no_lattice_work,{qps:.0},{bound:.0},{:.3}",
+                    qps / bound
+                );
+            }
             let per = |d: Duration, n: f64| us(d) / n.max(1.0);
             println!(
                 "       CPU µs: bare RPC client {:.1} + server {:.1}; query client {:.1} + Lattice {:.1} + peers {:.1} ({:.1} per RPC)",
