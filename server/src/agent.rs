@@ -7,7 +7,7 @@
 //! hook failure returns `Err` through every `?` on the way up, so the
 //! conversation being built (`messages`) is dropped, never stored.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{borrow::Cow, collections::HashMap, sync::Arc, time::Duration};
 
 mod ordered;
 
@@ -426,7 +426,7 @@ impl Runtime {
             let (messages, usage, last_text) = (&mut messages, &mut usage, &mut last_text);
             let done = async {
                 let request = ModelRequest {
-                    system: agent.def.system_prompt.clone(),
+                    system: Cow::Borrowed(&agent.def.system_prompt),
                     messages: as_request(messages),
                     tools: tools.specs.clone(),
                 };
@@ -496,7 +496,7 @@ impl Runtime {
         agent: &AgentRuntime,
         ctx: &RunCtx,
         turn: u32,
-        request: &ModelRequest,
+        request: &ModelRequest<'_>,
     ) -> Result<AssistantReply, AgentError> {
         let deadline = ctx.scope.deadline;
         let record = agent.metrics.model.start(&self.metrics, deadline);
@@ -772,8 +772,12 @@ fn check_deadline(ctx: &RunCtx) -> Result<(), AgentError> {
 /// The conversation as a model request carries it: adjacent messages of one
 /// role merged (a prompt after a run that stopped at max_turns follows the
 /// tool results), so roles alternate. The stored conversation is only ever
-/// appended to, so it keeps them apart.
-fn as_request(messages: &[Message]) -> Vec<Message> {
+/// appended to, so it keeps them apart. Where roles already alternate (every
+/// turn of a query but such a one) the conversation is borrowed, not copied.
+fn as_request(messages: &[Message]) -> Cow<'_, [Message]> {
+    if messages.windows(2).all(|pair| pair[0].role != pair[1].role) {
+        return Cow::Borrowed(messages);
+    }
     let mut merged: Vec<Message> = Vec::with_capacity(messages.len());
     for m in messages {
         match merged.last_mut() {
@@ -781,7 +785,7 @@ fn as_request(messages: &[Message]) -> Vec<Message> {
             _ => merged.push(m.clone()),
         }
     }
-    merged
+    Cow::Owned(merged)
 }
 
 /// The outcome's name in traces and logs.
@@ -854,5 +858,58 @@ impl Drop for CancelGuard {
                 Err(e) => warn!(error = %e, "hook failed on a cancelled tool result"),
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::as_request;
+    use crate::domain::{Block, Message, Role};
+
+    fn said(role: Role, text: &str) -> Message {
+        Message { role, content: vec![Block::Text { text: text.to_owned() }] }
+    }
+
+    #[test]
+    fn a_conversation_whose_roles_alternate_is_lent_not_copied() {
+        let history = vec![
+            said(Role::User, "q1"),
+            said(Role::Assistant, "a1"),
+            said(Role::User, "q2"),
+            said(Role::Assistant, "a2"),
+        ];
+        let request = as_request(&history);
+        let Cow::Borrowed(lent) = request else { panic!("copied: {request:?}") };
+        assert!(std::ptr::eq(lent, history.as_slice()));
+        assert!(matches!(as_request(&[]), Cow::Borrowed([])));
+    }
+
+    #[test]
+    fn adjacent_messages_of_one_role_are_merged_in_order() {
+        // A prompt after a run that stopped at max_turns follows the results.
+        let history =
+            vec![said(Role::User, "q1"), said(Role::Assistant, "a1"), said(Role::User, "r1"), said(Role::User, "q2")];
+        let request = as_request(&history);
+        assert!(matches!(request, Cow::Owned(_)), "{request:?}");
+        let texts: Vec<(Role, Vec<String>)> = request
+            .iter()
+            .map(|m| {
+                let texts = m.content.iter().map(|b| match b {
+                    Block::Text { text } => text.clone(),
+                    other => panic!("{other:?}"),
+                });
+                (m.role, texts.collect())
+            })
+            .collect();
+        let expected = vec![
+            (Role::User, vec!["q1".to_owned()]),
+            (Role::Assistant, vec!["a1".to_owned()]),
+            (Role::User, vec!["r1".to_owned(), "q2".to_owned()]),
+        ];
+        assert_eq!(texts, expected);
+        // The history itself keeps them apart.
+        assert_eq!(history.len(), 4);
     }
 }

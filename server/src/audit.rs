@@ -93,9 +93,9 @@ impl Digest {
     }
 
     /// The digest of a model request's system prompt and messages.
-    pub fn model_request(&self, request: &ModelRequest) -> String {
+    pub fn model_request(&self, request: &ModelRequest<'_>) -> String {
         let value = lattice_proto::hooks::v1::OnModelRequestRequest {
-            system: request.system.clone(),
+            system: request.system.to_string(),
             messages: convert::messages_to_pb(&request.messages),
             ..Default::default()
         };

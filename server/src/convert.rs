@@ -166,11 +166,11 @@ impl From<&ToolSpec> for pb::ToolSpec {
     }
 }
 
-impl From<&ModelRequest> for pb::ModelRequestEvent {
-    fn from(r: &ModelRequest) -> Self {
+impl From<&ModelRequest<'_>> for pb::ModelRequestEvent {
+    fn from(r: &ModelRequest<'_>) -> Self {
         Self {
             turn: 0,
-            system: r.system.clone(),
+            system: r.system.to_string(),
             messages: messages_to_pb(&r.messages),
             tools: r.tools.iter().map(Into::into).collect(),
         }

@@ -1,7 +1,7 @@
 //! The server's own conversation types. The agent loop, the models and the
 //! hook chain speak these; proto types exist only at the edges (`convert`).
 
-use std::sync::Arc;
+use std::{borrow::Cow, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -93,13 +93,15 @@ pub struct ToolSpec {
     pub input_schema: JsonObject,
 }
 
-/// What is sent to the model for one turn.
+/// What is sent to the model for one turn. It borrows the agent's system
+/// prompt and the conversation where it can (a turn copies neither), and
+/// owns what a hook replaced.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
-pub struct ModelRequest {
+pub struct ModelRequest<'a> {
     /// The system prompt.
-    pub system: String,
+    pub system: Cow<'a, str>,
     /// The conversation.
-    pub messages: Vec<Message>,
+    pub messages: Cow<'a, [Message]>,
     /// The tools offered (the agent's, shared by every request).
     pub tools: Arc<[ToolSpec]>,
 }

@@ -79,12 +79,12 @@ pub async fn test_hooks(
             validate_conversation(&messages)
                 .map_err(|why| Status::invalid_argument(format!("model_request.messages: {why}")))?;
             let tools = agent.tools().map(|t| t.specs.clone()).unwrap_or_default();
-            let request = ModelRequest { system: m.system, messages, tools };
+            let request = ModelRequest { system: m.system.into(), messages: messages.into(), tools };
             let steps = &mut response.steps;
-            let mut observe = |o: Observed<'_, ModelRequest>| {
+            let mut observe = |o: Observed<'_, ModelRequest<'_>>| {
                 let mut step = step_of(&o);
                 if let Ok(value) = o.outcome {
-                    step.system = value.system.clone();
+                    step.system = value.system.to_string();
                     step.messages = convert::messages_to_pb(&value.messages);
                 }
                 steps.push(step);
@@ -94,7 +94,7 @@ pub async fn test_hooks(
             let ran = agent.hooks.on_model_request_observed(step, request, Some(&mut observe)).await;
             if let Ok(value) = ran {
                 response.completed = true;
-                response.system = value.system;
+                response.system = value.system.into_owned();
                 response.messages = convert::messages_to_pb(&value.messages);
             }
         }

@@ -23,7 +23,7 @@ pub enum Event<'a> {
         /// 1-based turn.
         turn: u32,
         /// The request.
-        request: &'a ModelRequest,
+        request: &'a ModelRequest<'a>,
     },
     /// A piece of assistant text as it streams from the model.
     TextDelta {

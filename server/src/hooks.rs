@@ -17,7 +17,7 @@
 //! A failure's kind is decided from the error's structure, never from text
 //! the hook controls: see `classify`.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{borrow::Cow, fmt, sync::Arc, time::Duration};
 
 use lattice_proto::{agent::v1 as apb, hooks::v1 as pb};
 use prost::Message as _;
@@ -487,18 +487,22 @@ impl HookChain {
 
     /// Passes a model request through every OnModelRequest hook, in order.
     /// The result is for this one request: the caller's history is untouched.
-    pub async fn on_model_request(&self, step: Step<'_>, request: ModelRequest) -> Result<ModelRequest, ChainError> {
+    pub async fn on_model_request<'r>(
+        &self,
+        step: Step<'_>,
+        request: ModelRequest<'r>,
+    ) -> Result<ModelRequest<'r>, ChainError> {
         self.on_model_request_observed(step, request, None).await
     }
 
     /// [`HookChain::on_model_request`], telling `observe` (when set) what
     /// each hook did.
-    pub async fn on_model_request_observed(
+    pub async fn on_model_request_observed<'r>(
         &self,
         step: Step<'_>,
-        mut request: ModelRequest,
-        mut observe: Option<&mut Observer<'_, ModelRequest>>,
-    ) -> Result<ModelRequest, ChainError> {
+        mut request: ModelRequest<'r>,
+        mut observe: Option<&mut Observer<'_, ModelRequest<'r>>>,
+    ) -> Result<ModelRequest<'r>, ChainError> {
         if !self.hooks.iter().any(|h| h.events.model_request) {
             return Ok(request);
         }
@@ -508,7 +512,7 @@ impl HookChain {
         // its newest messages: the hooks and the model see the same one.
         let base = pb::OnModelRequestRequest {
             context: Some(self.context(step)),
-            system: request.system.clone(),
+            system: request.system.to_string(),
             messages: Vec::new(),
             tools,
             omitted_messages: u32::MAX,
@@ -516,7 +520,13 @@ impl HookChain {
         let omitted = window(&request.messages, &messages, base.encoded_len(), self.max_message_bytes);
         if omitted > 0 {
             info!(agent = %self.agent, turn = step.turn, omitted, kept = messages.len() - omitted, limit = self.max_message_bytes, "model request cut to the hook message limit");
-            request.messages.drain(..omitted);
+            request.messages = match request.messages {
+                Cow::Borrowed(all) => Cow::Borrowed(&all[omitted..]),
+                Cow::Owned(mut all) => {
+                    all.drain(..omitted);
+                    Cow::Owned(all)
+                }
+            };
             messages.drain(..omitted);
         }
         // What every hook's request carries around the system prompt and
@@ -548,14 +558,14 @@ impl HookChain {
             };
             let replaced = replacement.is_some() || system.is_some();
             let changed = observe.is_some()
-                && (replacement.as_ref().is_some_and(|m| *m != request.messages)
-                    || system.as_ref().is_some_and(|s| *s != request.system));
+                && (replacement.as_ref().is_some_and(|m| *m != *request.messages)
+                    || system.as_ref().is_some_and(|s| *s != *request.system));
             if let Some(replaced) = replacement {
-                request.messages = replaced;
+                request.messages = Cow::Owned(replaced);
                 messages = Arc::new(convert::messages_to_pb(&request.messages));
             }
             if let Some(system) = system {
-                request.system = system;
+                request.system = Cow::Owned(system);
             }
             if let Some(before) = digest.take() {
                 let after = audit.filter(|_| replaced).map(|a| a.digest.model_request(&request));

@@ -41,7 +41,7 @@ pub enum TraceEvent<'a> {
         /// 1-based turn.
         turn: u32,
         /// The request.
-        request: &'a ModelRequest,
+        request: &'a ModelRequest<'a>,
     },
     /// The model's reply.
     AssistantMessage {

@@ -22,7 +22,7 @@ pub const API_VERSION: &str = "2023-06-01";
 pub(super) struct Anthropic(pub(super) HttpModel);
 
 /// The request body: exactly the post-hook request, in the API's shape.
-pub(crate) fn body(http: &HttpModel, req: &ModelRequest) -> Value {
+pub(crate) fn body(http: &HttpModel, req: &ModelRequest<'_>) -> Value {
     let messages: Vec<Value> = req
         .messages
         .iter()
@@ -246,7 +246,7 @@ impl Wire for Anthropic {
 impl Model for Anthropic {
     async fn complete(
         &self,
-        request: &ModelRequest,
+        request: &ModelRequest<'_>,
         step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {

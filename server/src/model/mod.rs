@@ -87,7 +87,7 @@ pub trait Model: Send + Sync + std::fmt::Debug {
     /// Dropping the future cancels the request.
     async fn complete(
         &self,
-        request: &ModelRequest,
+        request: &ModelRequest<'_>,
         step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError>;

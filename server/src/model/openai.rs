@@ -25,12 +25,12 @@ pub const ERROR_PREFIX: &str = "ERROR: ";
 pub(super) struct OpenAi(pub(super) HttpModel);
 
 /// The request body: exactly the post-hook request, in the API's shape.
-pub(crate) fn body(http: &HttpModel, req: &ModelRequest) -> Value {
+pub(crate) fn body(http: &HttpModel, req: &ModelRequest<'_>) -> Value {
     let mut messages = Vec::new();
     if !req.system.is_empty() {
         messages.push(json!({"role": "system", "content": req.system}));
     }
-    for m in &req.messages {
+    for m in req.messages.iter() {
         let texts: Vec<&str> = m
             .content
             .iter()
@@ -236,7 +236,7 @@ impl Wire for OpenAi {
 impl Model for OpenAi {
     async fn complete(
         &self,
-        request: &ModelRequest,
+        request: &ModelRequest<'_>,
         step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {

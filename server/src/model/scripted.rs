@@ -36,7 +36,7 @@ impl Scripted {
     }
 }
 
-fn last_tool_result(req: &ModelRequest) -> String {
+fn last_tool_result(req: &ModelRequest<'_>) -> String {
     req.messages
         .iter()
         .flat_map(|m| m.content.iter())
@@ -48,7 +48,7 @@ fn last_tool_result(req: &ModelRequest) -> String {
         .unwrap_or_default()
 }
 
-fn last_user_text(req: &ModelRequest) -> String {
+fn last_user_text(req: &ModelRequest<'_>) -> String {
     req.messages
         .iter()
         .filter(|m| m.role == Role::User)
@@ -61,8 +61,8 @@ fn last_user_text(req: &ModelRequest) -> String {
         .unwrap_or_default()
 }
 
-fn all_text(req: &ModelRequest) -> String {
-    let mut lines = vec![req.system.clone()];
+fn all_text(req: &ModelRequest<'_>) -> String {
+    let mut lines = vec![req.system.to_string()];
     for b in req.messages.iter().flat_map(|m| m.content.iter()) {
         match b {
             Block::Text { text } => lines.push(text.clone()),
@@ -73,12 +73,12 @@ fn all_text(req: &ModelRequest) -> String {
     lines.join("\n")
 }
 
-fn render(template: &str, req: &ModelRequest, turn: u32) -> String {
+fn render(template: &str, req: &ModelRequest<'_>, turn: u32) -> String {
     let mut out = template.to_owned();
     let subs: [(&str, &dyn Fn() -> String); 7] = [
         ("{{last_tool_result}}", &|| last_tool_result(req)),
         ("{{last_user_text}}", &|| last_user_text(req)),
-        ("{{system}}", &|| req.system.clone()),
+        ("{{system}}", &|| req.system.to_string()),
         ("{{turn}}", &|| turn.to_string()),
         ("{{message_count}}", &|| req.messages.len().to_string()),
         ("{{tools}}", &|| req.tools.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
@@ -114,7 +114,7 @@ fn tokens(bytes: usize) -> u64 {
 impl Model for Scripted {
     async fn complete(
         &self,
-        request: &ModelRequest,
+        request: &ModelRequest<'_>,
         at: Step<'_>,
         _deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
