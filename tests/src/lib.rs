@@ -152,33 +152,40 @@ impl Lattice {
 
     /// [`Lattice::try_start`] with secrets looked up in `env`.
     pub async fn try_start_with_env(config: &str, env: &[(&str, &str)]) -> Result<Lattice, String> {
-        Self::launch(config, env, true).await
+        Self::launch(config, env, true, true).await
+    }
+
+    /// [`Lattice::start`] without a trace (`server.trace_dir` unset, as by
+    /// default): for benchmarks of what a query costs where nothing records
+    /// it.
+    pub async fn start_untraced(config: &str) -> Lattice {
+        Self::launch(config, &[], true, false).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
     }
 
     /// Starts Lattice and returns as soon as its health service answers,
     /// SERVING or not (for a server that starts NOT_SERVING).
     pub async fn start_unready(config: &str) -> Lattice {
-        Self::launch(config, &[], false).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
+        Self::launch(config, &[], false, true).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
     }
 
     /// Starts Lattice; an admin port another test took between our probe
     /// and the bind (see [`free_addr`]) is retried with another.
-    async fn launch(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
+    async fn launch(config: &str, env: &[(&str, &str)], serving: bool, traced: bool) -> Result<Lattice, String> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::launch_once(config, env, serving).await {
+            match Self::launch_once(config, env, serving, traced).await {
                 Err(e) if attempt < 5 && e.contains("Address already in use") => continue,
                 other => return other,
             }
         }
     }
 
-    async fn launch_once(config: &str, env: &[(&str, &str)], serving: bool) -> Result<Lattice, String> {
+    async fn launch_once(config: &str, env: &[(&str, &str)], serving: bool, traced: bool) -> Result<Lattice, String> {
         capture_logs();
         let trace_dir = temp_dir("trace");
         let admin = free_addr().await;
-        let config = with_test_keys(config, &trace_dir);
+        let config = if traced { with_test_keys(config, &trace_dir) } else { with_open_auth(config) };
         let lookup = |var: &str| {
             env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned()).or_else(|| std::env::var(var).ok())
         };

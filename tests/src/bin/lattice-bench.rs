@@ -3,7 +3,8 @@
 //! chain costs. Each query makes two model requests (two
 //! OnModelRequest rounds) and one tool call (one OnToolResult round).
 //!
-//! Then the session store: queries continuing sessions in the `memory` and
+//! Then one session continued as its conversation grows (what a query
+//! costs per message of history), and the session store: queries continuing sessions in the `memory` and
 //! the `postgres` store, with 1 and 16 clients at once; and the time of one
 //! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
 //! not grow with the conversation). PostgreSQL is the tests' throw-away
@@ -25,6 +26,11 @@ use lattice_tests::{
     tls::TestCa,
     tool::{ToolDef, ToolServer},
 };
+
+/// The allocator `lattice serve` runs with: Lattice runs in this process,
+/// and what a query costs depends on it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
@@ -111,8 +117,66 @@ async fn main() {
         );
         lattice.stop().await;
     }
+    long_sessions(&tools.url).await;
     stores(queries).await;
     commits().await;
+}
+
+/// Queries continuing one session as its conversation grows (memory store;
+/// each query a 1 KiB prompt, two model requests and one tool call, so four
+/// messages more): what a query costs per message of history. Each row
+/// first continues the session to its length, then measures 100 queries.
+/// No trace: a trace records each model request whole, and its cost per
+/// message would hide the query's own.
+async fn long_sessions(tools_url: &str) {
+    let config = "[sessions]\nstore = \"memory\"\n".to_owned()
+        + &cfg::agent("a", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(tools_url, 2000);
+    let lattice = Lattice::start_untraced(&config).await;
+    let prompt = "x".repeat(1024);
+    let continued = |sid: &str| QueryOpts {
+        agent: "a".into(),
+        prompt: prompt.clone(),
+        session: Some(sid.to_owned()),
+        no_model_requests: true,
+        ..Default::default()
+    };
+    let sid = lattice.query("a", &prompt).await.session_id();
+    let mut done = 1usize;
+    println!();
+    println!("one session continued (memory store, no trace; each query: 1 KiB prompt, 2 model requests, 1 tool call)");
+    println!("{:>9} {:>10} {:>10} {:>10} {:>22}", "messages", "history", "p50", "p99", "p50 more per 1,000");
+    let mut first: Option<(usize, Duration)> = None;
+    for before in [1usize, 500, 2000] {
+        while done < before {
+            lattice.query_with(continued(&sid)).await.ok();
+            done += 1;
+        }
+        let messages = 4 * done;
+        let mut times = Vec::with_capacity(100);
+        for _ in 0..100 {
+            let out = lattice.query_with(continued(&sid)).await;
+            out.ok();
+            times.push(out.elapsed);
+            done += 1;
+        }
+        times.sort();
+        let p50 = percentile(&times, 0.5);
+        let more = match first {
+            None => {
+                first = Some((messages, p50));
+                "-".to_owned()
+            }
+            Some((m0, t0)) => {
+                let per = p50.saturating_sub(t0).as_secs_f64() * 1000.0 / (messages - m0) as f64;
+                format!("{:.2?}", Duration::from_secs_f64(per))
+            }
+        };
+        println!("{messages:>9} {:>7} KiB {:>10.2?} {:>10.2?} {more:>22}", messages / 4, p50, percentile(&times, 0.99));
+    }
+    lattice.stop().await;
 }
 
 /// Query latency and throughput by session store and concurrency: each
