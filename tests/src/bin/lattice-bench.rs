@@ -117,7 +117,8 @@ async fn main() {
         );
         lattice.stop().await;
     }
-    long_sessions(&tools.url).await;
+    long_sessions(&tools.url, false).await;
+    long_sessions(&tools.url, true).await;
     stores(queries).await;
     commits().await;
 }
@@ -126,15 +127,16 @@ async fn main() {
 /// each query a 1 KiB prompt, two model requests and one tool call, so four
 /// messages more): what a query costs per message of history. Each row
 /// first continues the session to its length, then measures 100 queries.
-/// No trace: a trace records each model request whole, and its cost per
-/// message would hide the query's own.
-async fn long_sessions(tools_url: &str) {
+/// First without a trace (a trace records each model request whole, and
+/// its cost per message would hide the query's own), then with one (the
+/// test harness's, rotating its files at 64 MiB).
+async fn long_sessions(tools_url: &str, traced: bool) {
     let config = "[sessions]\nstore = \"memory\"\n".to_owned()
         + &cfg::agent("a", "")
         + &cfg::turn("go", &["t"])
         + &cfg::turn("done", &[])
         + &cfg::tools(tools_url, 2000);
-    let lattice = Lattice::start_untraced(&config).await;
+    let lattice = if traced { Lattice::start(&config).await } else { Lattice::start_untraced(&config).await };
     let prompt = "x".repeat(1024);
     let continued = |sid: &str| QueryOpts {
         agent: "a".into(),
@@ -146,7 +148,8 @@ async fn long_sessions(tools_url: &str) {
     let sid = lattice.query("a", &prompt).await.session_id();
     let mut done = 1usize;
     println!();
-    println!("one session continued (memory store, no trace; each query: 1 KiB prompt, 2 model requests, 1 tool call)");
+    let trace = if traced { "a trace" } else { "no trace" };
+    println!("one session continued (memory store, {trace}; each query: 1 KiB prompt, 2 model requests, 1 tool call)");
     println!("{:>9} {:>10} {:>10} {:>10} {:>22}", "messages", "history", "p50", "p99", "p50 more per 1,000");
     let mut first: Option<(usize, Duration)> = None;
     for before in [1usize, 500, 2000] {
