@@ -45,8 +45,9 @@ async fn a_hook_drains_before_it_stops() {
         tokio::spawn(async move { client.on_tool_result(OnToolResultRequest::default()).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    stop.send(()).unwrap();
+    // Before the signal: the drain starts when it arrives.
     let signalled = Instant::now();
+    stop.send(()).unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
     assert!(in_flight.await.unwrap().is_ok(), "the call in flight completes");
@@ -74,8 +75,10 @@ async fn an_example_hook_exits_cleanly_after_sigterm() {
         .unwrap();
     lattice_tests::wait_for_port(addr, "audit").await;
     let pid = child.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    // Before the signal: the drain starts when it arrives, which can be
+    // before `kill` has exited.
     let started = Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let exit = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.expect("exits").unwrap();
     assert_eq!(exit.code(), Some(0));
     assert!(started.elapsed() >= Duration::from_millis(300), "exited before its drain: {:?}", started.elapsed());
@@ -97,8 +100,10 @@ async fn the_example_tools_drain_after_sigterm() {
     lattice_tests::wait_for_port(addr, "example-tools").await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
     let pid = child.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    // Before the signal: the drain starts when it arrives, which can be
+    // before `kill` has exited.
     let started = Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
     assert!(ToolServiceClient::new(channel).list_tools(ListToolsRequest {}).await.is_ok(), "served while draining");
@@ -141,8 +146,10 @@ async fn assert_drains(url: String, mut child: lattice_tests::Child) {
     let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
     assert_eq!(status(channel.clone()).await, ServingStatus::Serving as i32);
     let pid = child.0.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    // Before the signal: the hook's drain starts when it arrives, which can
+    // be before `kill` has exited.
     let started = Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
     let call = HookServiceClient::new(channel).on_tool_result(OnToolResultRequest::default()).await;
