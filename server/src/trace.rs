@@ -464,32 +464,33 @@ mod tests {
     /// A rotation keeps the file it replaces open and hands it to the
     /// reaper, which frees it; the writer goes on with the next line.
     #[test]
-    fn a_rotation_hands_the_file_it_replaces_to_the_reaper() {
+    fn a_rotation_hands_the_file_it_replaces_to_the_reaper() -> std::io::Result<()> {
         let dir = std::env::temp_dir().join(format!("lattice-trace-reap-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir)?;
         let path = dir.join("s.jsonl");
         let (tx, reaped) = mpsc::channel();
         let reaper = Reaper { tx: Some(tx) };
+        // What the reaper was handed, read through the file it holds.
+        let next_reaped = || -> std::io::Result<Option<String>> {
+            let Ok(mut held) = reaped.try_recv() else { return Ok(None) };
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut held, &mut text)?;
+            Ok(Some(text))
+        };
         for line in ["first", "second", "third"] {
-            append(&path, line, 8, &reaper).unwrap();
+            append(&path, line, 8, &reaper)?;
         }
         let rotated = dir.join("s.jsonl.1");
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "third\n");
-        assert_eq!(std::fs::read_to_string(&rotated).unwrap(), "second\n");
+        assert_eq!(std::fs::read_to_string(&path)?, "third\n");
+        assert_eq!(std::fs::read_to_string(&rotated)?, "second\n");
         // The first rotation replaced nothing; the second replaced "first",
         // whose file the reaper holds open though its name is gone.
-        let mut held = reaped.try_recv().expect("the replaced file");
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut held, &mut text).unwrap();
-        assert_eq!(text, "first\n");
-        assert!(reaped.try_recv().is_err(), "one file replaced");
+        assert_eq!(next_reaped()?.as_deref(), Some("first\n"), "the replaced file");
+        assert_eq!(next_reaped()?, None, "one file replaced");
         // A removal hands its file over too.
-        reaper.remove(&rotated).unwrap();
+        reaper.remove(&rotated)?;
         assert!(!rotated.exists());
-        let mut held = reaped.try_recv().expect("the removed file");
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut held, &mut text).unwrap();
-        assert_eq!(text, "second\n");
-        let _ = std::fs::remove_dir_all(dir);
+        assert_eq!(next_reaped()?.as_deref(), Some("second\n"), "the removed file");
+        std::fs::remove_dir_all(dir)
     }
 }
