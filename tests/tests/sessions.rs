@@ -298,3 +298,64 @@ async fn a_lost_lease_writes_nothing() {
     assert_eq!(rows, 1, "the lost lease wrote nothing");
     assert_eq!(store.get("s").await.unwrap().messages, vec![Message::user_text("kept")]);
 }
+
+/// A lease taken while the previous query's commit lands (its statement
+/// waits for that commit's row lock) reads the conversation with that
+/// commit's messages: the history and the count it continues from agree.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_taken_while_a_commit_lands_reads_that_commits_messages() {
+    use lattice_server::{
+        config::PostgresSettings,
+        domain::Message,
+        session::{PostgresStore, SessionStore},
+    };
+    let url = Cluster::shared().await.database().await;
+    let settings = PostgresSettings { url_env: "-".into(), url: url.clone(), pool_size: 2, exit_if_unreachable: true };
+    let store = PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap();
+    store.migrate().await.unwrap();
+    store.acquire("s", "a", true).await.unwrap().commit(vec![Message::user_text("first")]).await.unwrap();
+
+    // A commit in flight: the second message and the bumped count, written
+    // but not yet committed, holding the session row's lock.
+    let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let commit = client.transaction().await.unwrap();
+    let late = serde_json::to_string(&Message::user_text("late")).unwrap();
+    commit
+        .execute("INSERT INTO lattice_messages (session_id, seq, message) VALUES ('s', 1, $1)", &[&late])
+        .await
+        .unwrap();
+    commit
+        .execute("UPDATE lattice_sessions SET version = version + 1, message_count = 2 WHERE id = 's'", &[])
+        .await
+        .unwrap();
+
+    let acquiring = tokio::spawn({
+        let store = store.clone();
+        async move { store.acquire("s", "a", false).await.map(|mut lease| std::mem::take(&mut lease.session.messages)) }
+    });
+    // Wait until the acquire's statement waits for the row lock: it began
+    // before the commit landed.
+    let (observer, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let started = Instant::now();
+    loop {
+        let waiting: i64 = observer
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "the acquire never waited for the row lock");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    commit.commit().await.unwrap();
+
+    let history = acquiring.await.unwrap().expect("the session is free once the commit lands");
+    assert_eq!(history, vec![Message::user_text("first"), Message::user_text("late")]);
+}

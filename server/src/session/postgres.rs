@@ -93,6 +93,18 @@ fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolError) -> St
     }
 }
 
+/// Messages as stored (one JSON document each), in order.
+fn parse<'t>(session_id: &str, stored: impl Iterator<Item = &'t str>) -> Result<Vec<Message>, StoreError> {
+    stored
+        .map(|text| {
+            serde_json::from_str(text).map_err(|_| {
+                warn!(session_id, "a stored message does not parse");
+                StoreError::Unavailable("postgres")
+            })
+        })
+        .collect()
+}
+
 impl PostgresStore {
     /// A pool for `settings` (nothing connects yet).
     pub fn new(settings: &PostgresSettings, lease_ttl: Duration, idle_ttl: Duration) -> Result<Self, String> {
@@ -162,15 +174,7 @@ impl PostgresStore {
             .await
             .map_err(db("read"))?;
         let rows = client.query(&stmt, &[&session_id, &count]).await.map_err(db("read"))?;
-        rows.iter()
-            .map(|r| {
-                let text: &str = r.get(0);
-                serde_json::from_str(text).map_err(|_| {
-                    warn!(session_id, "a stored message does not parse");
-                    StoreError::Unavailable("postgres")
-                })
-            })
-            .collect()
+        parse(session_id, rows.iter().map(|r| r.get::<_, &str>(0)))
     }
 
     /// Keeps the lease alive while its query runs; says so on `lost` if it
@@ -319,14 +323,23 @@ impl SessionStore for PostgresStore {
                 }
                 (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0)
             } else {
+                // One round trip: the lease and, read in the same statement,
+                // the history it continues.
                 let stmt = client
                     .prepare_cached(
-                        "UPDATE lattice_sessions
-                         SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond', touched_at = now()
-                         WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
-                           AND ($5::text IS NULL OR owner = $5)
-                           AND (lease_token IS NULL OR lease_expires < now())
-                         RETURNING agent, version, message_count",
+                        "WITH lease AS (
+                             UPDATE lattice_sessions
+                             SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
+                                 touched_at = now()
+                             WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
+                               AND ($5::text IS NULL OR owner = $5)
+                               AND (lease_token IS NULL OR lease_expires < now())
+                             RETURNING agent, version, message_count
+                         )
+                         SELECT agent, version, message_count,
+                                ARRAY(SELECT message FROM lattice_messages
+                                      WHERE session_id = $1 AND seq < lease.message_count ORDER BY seq)
+                         FROM lease",
                     )
                     .await
                     .map_err(db("acquire"))?;
@@ -349,7 +362,17 @@ impl SessionStore for PostgresStore {
                     return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
                 };
                 let (agent, version, count): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
-                let messages = match Self::messages(&client, session_id, count).await {
+                let stored: Vec<&str> = row.try_get(3).map_err(db("acquire"))?;
+                let messages = if stored.len() as i64 == count {
+                    parse(session_id, stored.into_iter())
+                } else {
+                    // The statement waited for the row while the previous
+                    // query's commit landed: it took the lease after that
+                    // commit, but read the messages as they were before it.
+                    // A statement of its own reads them as committed.
+                    Self::messages(&client, session_id, count).await
+                };
+                let messages = match messages {
                     Ok(m) => m,
                     Err(e) => {
                         // Give the lease back before failing.
@@ -373,9 +396,12 @@ impl SessionStore for PostgresStore {
     fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession> {
         Box::pin(async move {
             let client = self.pool.get().await.map_err(pool_error("get"))?;
+            // The session and its messages in one statement (one snapshot).
             let stmt = client
                 .prepare_cached(
-                    "SELECT agent, message_count FROM lattice_sessions
+                    "SELECT agent, ARRAY(SELECT message FROM lattice_messages
+                                         WHERE session_id = s.id AND seq < s.message_count ORDER BY seq)
+                     FROM lattice_sessions s
                      WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
                        AND ($3::text IS NULL OR owner = $3)",
                 )
@@ -383,8 +409,9 @@ impl SessionStore for PostgresStore {
                 .map_err(db("get"))?;
             let row = client.query_opt(&stmt, &[&session_id, &self.idle_s(), &owner]).await.map_err(db("get"))?;
             let row = row.ok_or(StoreError::NotFound)?;
-            let (agent, count): (String, i64) = (row.get(0), row.get(1));
-            Ok(StoredSession { agent, messages: Self::messages(&client, session_id, count).await? })
+            let (agent, stored): (String, Vec<&str>) =
+                (row.try_get(0).map_err(db("get"))?, row.try_get(1).map_err(db("get"))?);
+            Ok(StoredSession { agent, messages: parse(session_id, stored.into_iter())? })
         })
     }
 
