@@ -10,7 +10,7 @@
 //! not grow with the conversation). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
 //!
-//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES]`
+//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,stores,commits]`
 
 use std::time::{Duration, Instant};
 
@@ -48,8 +48,29 @@ enum Reach {
 async fn main() {
     // No log capture: the harness's TRACE capture would distort the figures.
     let _ = tracing::subscriber::set_global_default(tracing::subscriber::NoSubscriber::default());
-    let queries: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(300);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let queries: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(300);
+    // The sections to run (all by default).
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let section = |name: &str| only.as_ref().is_none_or(|o| o.split(',').any(|s| s == name));
     let tools = ToolServer::start(vec![ToolDef::new("t", "some tool output")]).await;
+    if section("hooks") {
+        hook_rows(queries, &tools).await;
+    }
+    if section("long") {
+        long_sessions(&tools.url, false).await;
+        long_sessions(&tools.url, true).await;
+    }
+    if section("stores") {
+        stores(queries).await;
+    }
+    if section("commits") {
+        commits().await;
+    }
+}
+
+/// Query latency by number of hooks and how Lattice reaches them.
+async fn hook_rows(queries: usize, tools: &ToolServer) {
     let appender = || Behaviour { on_result: OnResult::Append("+".into()), ..Default::default() };
     let mut hooks = Vec::new();
     for _ in 0..3 {
@@ -117,10 +138,6 @@ async fn main() {
         );
         lattice.stop().await;
     }
-    long_sessions(&tools.url, false).await;
-    long_sessions(&tools.url, true).await;
-    stores(queries).await;
-    commits().await;
 }
 
 /// Queries continuing one session as its conversation grows (memory store;
