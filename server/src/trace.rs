@@ -152,6 +152,7 @@ pub struct TraceSettings {
 }
 
 enum Op {
+    /// A line of a session's file, its newline included.
     Line { session: String, line: String },
     Delete(String),
     Flush(tokio::sync::oneshot::Sender<()>),
@@ -249,7 +250,9 @@ impl Tracer {
             query_id: &scope.query_id,
             event: &event,
         };
-        let json = match serde_json::to_string(&line) {
+        // The line as the file takes it, newline included: the writer
+        // writes it as it is (no copy of a large model request there).
+        let mut json = match serde_json::to_string(&line) {
             Ok(j) => j,
             Err(e) => {
                 warn!(error = %e, "trace event not serializable");
@@ -259,6 +262,7 @@ impl Tracer {
         debug!(target: "lattice::trace", agent = %scope.agent, session_id = %scope.session_id, query_id = %scope.query_id, event = event.kind(), bytes = json.len(), "trace");
         trace!(target: "lattice::trace", payload = %json, "trace payload");
         if let Some(w) = &self.writer {
+            json.push('\n');
             w.send(Op::Line { session: scope.session_id.clone(), line: json });
         }
     }
@@ -359,11 +363,11 @@ impl Reaper {
     }
 }
 
-/// Appends one line, rotating the file first if it would pass `max` (the
-/// file the rotation replaces is freed by `reaper`).
+/// Appends one line (newline included), rotating the file first if it
+/// would pass `max` (the file the rotation replaces is freed by `reaper`).
 fn append(path: &Path, line: &str, max: u64, reaper: &Reaper) -> std::io::Result<()> {
     let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-    if size > 0 && size + line.len() as u64 + 1 > max {
+    if size > 0 && size + line.len() as u64 > max {
         let mut rotated = path.as_os_str().to_owned();
         rotated.push(".1");
         let replaced = std::fs::File::open(&rotated);
@@ -373,10 +377,7 @@ fn append(path: &Path, line: &str, max: u64, reaper: &Reaper) -> std::io::Result
         }
     }
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-    let mut bytes = Vec::with_capacity(line.len() + 1);
-    bytes.extend_from_slice(line.as_bytes());
-    bytes.push(b'\n');
-    f.write_all(&bytes)
+    f.write_all(line.as_bytes())
 }
 
 /// Removes trace files untouched for `max_age`.
@@ -477,7 +478,7 @@ mod tests {
             std::io::Read::read_to_string(&mut held, &mut text)?;
             Ok(Some(text))
         };
-        for line in ["first", "second", "third"] {
+        for line in ["first\n", "second\n", "third\n"] {
             append(&path, line, 8, &reaper)?;
         }
         let rotated = dir.join("s.jsonl.1");
