@@ -153,7 +153,10 @@ pub struct TraceSettings {
 
 enum Op {
     /// A line of a session's file, its newline included.
-    Line { session: String, line: String },
+    Line {
+        session: String,
+        line: String,
+    },
     Delete(String),
     Flush(tokio::sync::oneshot::Sender<()>),
 }
