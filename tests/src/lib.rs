@@ -155,11 +155,11 @@ impl Lattice {
         Self::launch(config, env, true, true).await
     }
 
-    /// [`Lattice::start`] without a trace (`server.trace_dir` unset, as by
-    /// default): for benchmarks of what a query costs where nothing records
-    /// it.
-    pub async fn start_untraced(config: &str) -> Lattice {
-        Self::launch(config, &[], true, false).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
+    /// [`Lattice::start_with_env`] without a trace (`server.trace_dir`
+    /// unset, as by default): for benchmarks of what a query costs where
+    /// nothing records it.
+    pub async fn start_untraced(config: &str, env: &[(&str, &str)]) -> Lattice {
+        Self::launch(config, env, true, false).await.unwrap_or_else(|e| panic!("lattice did not start: {e}"))
     }
 
     /// Starts Lattice and returns as soon as its health service answers,

@@ -5,7 +5,7 @@
 //!
 //! Then one session continued as its conversation grows (what a query
 //! costs per message of history), and the session store: queries continuing sessions in the `memory` and
-//! the `postgres` store, with 1 and 16 clients at once; and the time of one
+//! the `postgres` store, with 1 and 16 clients at once (no trace); and the time of one
 //! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
 //! not grow with the conversation). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
@@ -153,7 +153,7 @@ async fn long_sessions(tools_url: &str, traced: bool) {
         + &cfg::turn("go", &["t"])
         + &cfg::turn("done", &[])
         + &cfg::tools(tools_url, 2000);
-    let lattice = if traced { Lattice::start(&config).await } else { Lattice::start_untraced(&config).await };
+    let lattice = if traced { Lattice::start(&config).await } else { Lattice::start_untraced(&config, &[]).await };
     let prompt = "x".repeat(1024);
     let continued = |sid: &str| QueryOpts {
         agent: "a".into(),
@@ -204,7 +204,7 @@ async fn long_sessions(tools_url: &str, traced: bool) {
 async fn stores(queries: usize) {
     let database = Cluster::shared().await.database().await;
     println!();
-    println!("session store: {queries} queries per row, each continuing a session (1 model request)");
+    println!("session store: {queries} queries per row, each continuing a session (1 model request, no trace)");
     println!("{:>9} {:>8} {:>10} {:>10} {:>12}", "store", "clients", "p50", "p99", "queries/s");
     for store in ["memory", "postgres"] {
         let sessions = match store {
@@ -212,7 +212,9 @@ async fn stores(queries: usize) {
             _ => "[sessions]\nstore = \"memory\"\n",
         };
         let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
-        let lattice = std::sync::Arc::new(Lattice::start_with_env(&config, &[("BENCH_PG", &database)]).await);
+        // No trace: it records each model request whole, and as the
+        // sessions grow that, not the store, would be what is measured.
+        let lattice = std::sync::Arc::new(Lattice::start_untraced(&config, &[("BENCH_PG", &database)]).await);
         for clients in [1usize, 16] {
             let per_client = queries / clients;
             let all = Instant::now();
