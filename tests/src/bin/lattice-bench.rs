@@ -51,7 +51,12 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let queries: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(300);
     // The sections to run (all by default).
-    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    const SECTIONS: [&str; 4] = ["hooks", "long", "stores", "commits"];
+    let only = args.iter().position(|a| a == "--only").map(|i| args.get(i + 1).cloned().unwrap_or_default());
+    if let Some(unknown) = only.iter().flat_map(|o| o.split(',')).find(|s| !SECTIONS.contains(s)) {
+        eprintln!("lattice-bench: no section {unknown:?} (--only takes some of {})", SECTIONS.join(","));
+        std::process::exit(2);
+    }
     let section = |name: &str| only.as_ref().is_none_or(|o| o.split(',').any(|s| s == name));
     let tools = ToolServer::start(vec![ToolDef::new("t", "some tool output")]).await;
     if section("hooks") {
