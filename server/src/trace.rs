@@ -357,8 +357,20 @@ impl Reaper {
 
     /// Removes the file at `path`, its blocks freed on the reaper's thread.
     fn remove(&self, path: &Path) -> std::io::Result<()> {
+        self.unlinking(path, || std::fs::remove_file(path))
+    }
+
+    /// Renames `from` over `to`, the file it replaces freed on the reaper's
+    /// thread.
+    fn rename_over(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        self.unlinking(to, || std::fs::rename(from, to))
+    }
+
+    /// Runs `unlink`, which takes the name `path` from its file, holding
+    /// that file open across it and then handing it to the reaper's thread.
+    fn unlinking(&self, path: &Path, unlink: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<()> {
         let held = std::fs::File::open(path);
-        std::fs::remove_file(path)?;
+        unlink()?;
         if let Ok(file) = held {
             self.close(file);
         }
@@ -373,11 +385,7 @@ fn append(path: &Path, line: &str, max: u64, reaper: &Reaper) -> std::io::Result
     if size > 0 && size + line.len() as u64 > max {
         let mut rotated = path.as_os_str().to_owned();
         rotated.push(".1");
-        let replaced = std::fs::File::open(&rotated);
-        std::fs::rename(path, &rotated)?;
-        if let Ok(file) = replaced {
-            reaper.close(file);
-        }
+        reaper.rename_over(path, Path::new(&rotated))?;
     }
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
     f.write_all(line.as_bytes())
