@@ -74,11 +74,7 @@ async fn an_example_hook_exits_cleanly_after_sigterm() {
         .spawn()
         .unwrap();
     lattice_tests::wait_for_port(addr, "audit").await;
-    let pid = child.id().unwrap().to_string();
-    // Before the signal: the drain starts when it arrives, which can be
-    // before `kill` has exited.
-    let started = Instant::now();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let started = sigterm(child.id().unwrap());
     let exit = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.expect("exits").unwrap();
     assert_eq!(exit.code(), Some(0));
     assert!(started.elapsed() >= Duration::from_millis(300), "exited before its drain: {:?}", started.elapsed());
@@ -99,11 +95,7 @@ async fn the_example_tools_drain_after_sigterm() {
         .unwrap();
     lattice_tests::wait_for_port(addr, "example-tools").await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
-    let pid = child.id().unwrap().to_string();
-    // Before the signal: the drain starts when it arrives, which can be
-    // before `kill` has exited.
-    let started = Instant::now();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let started = sigterm(child.id().unwrap());
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
     assert!(ToolServiceClient::new(channel).list_tools(ListToolsRequest {}).await.is_ok(), "served while draining");
@@ -145,11 +137,7 @@ async fn a_hook_refusing_a_request_as_too_large_is_named_so() {
 async fn assert_drains(url: String, mut child: lattice_tests::Child) {
     let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
     assert_eq!(status(channel.clone()).await, ServingStatus::Serving as i32);
-    let pid = child.0.id().unwrap().to_string();
-    // Before the signal: the hook's drain starts when it arrives, which can
-    // be before `kill` has exited.
-    let started = Instant::now();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let started = sigterm(child.0.id().unwrap());
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(status(channel.clone()).await, ServingStatus::NotServing as i32);
     let call = HookServiceClient::new(channel).on_tool_result(OnToolResultRequest::default()).await;
@@ -260,4 +248,13 @@ async fn an_sdk_hooks_logs_keep_values_on_their_line_and_the_transport_quiet() {
     let opted_in = logs(true).await;
     assert!(transport(&opted_in) > 0, "{opted_in}");
     assert!(opted_in.contains("LATTICE_LOG_TRANSPORT=1: transport crates may log bytes received from peers"));
+}
+
+/// Sends SIGTERM to `pid`, returning when it was sent: the clock starts
+/// before the signal, because the drain starts when the signal arrives,
+/// which can be before `kill` has exited.
+fn sigterm(pid: u32) -> Instant {
+    let sent = Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    sent
 }
