@@ -169,6 +169,40 @@ impl Message {
     pub fn text(&self) -> String {
         text_of(&self.content)
     }
+
+    /// About its size encoded: the bytes of its texts, ids and names, and
+    /// of its tool inputs as compact JSON. Either encoding adds a little
+    /// (tags, lengths, quotes) to this; what paging a stored conversation
+    /// measures a page by.
+    pub fn size(&self) -> usize {
+        self.content
+            .iter()
+            .map(|block| match block {
+                Block::Text { text } => text.len(),
+                Block::ToolUse(u) => u.id.len() + u.name.len() + json_len(&u.input),
+                Block::ToolResult(r) => r.tool_use_id.len() + r.content.iter().map(String::len).sum::<usize>(),
+            })
+            .sum()
+    }
+}
+
+/// The length of `value` as compact JSON, counted as it is written.
+fn json_len(value: &JsonObject) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter does not fail, nor does serializing a map of
+    // JSON values.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
 }
 
 /// Whose work a step is: one per agent run (a delegated run has its own),

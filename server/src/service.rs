@@ -445,35 +445,63 @@ impl AgentService for AgentSvc {
             "" => 0,
             token => token.parse::<usize>().map_err(|_| Status::invalid_argument("page_token is not one of ours"))?,
         };
-        let s =
-            self.store.get_as(&req.session_id, self.owner(&principal)).await.map_err(|e| status::store_error(&e))?;
-        if start > s.messages.len() {
+        let owner = self.owner(&principal);
+        let most = if req.page_size == 0 { usize::MAX } else { req.page_size as usize };
+        // What to ask the store for: it measures a page its own way, close
+        // to the wire's size; an eighth more than the room makes one read
+        // usually enough, and the page is trimmed to the room exactly.
+        let ask = |room: usize| room.saturating_add(room / 8).max(1);
+        let limit = self.runtime.settings.max_message_bytes;
+        let mut stored = self
+            .store
+            .page_as(&req.session_id, owner, start, most, ask(limit))
+            .await
+            .map_err(|e| status::store_error(&e))?;
+        if start > stored.total {
             return Err(Status::invalid_argument("page_token is past the end of the conversation"));
         }
+        let total = stored.total;
         let mut page = pb::Session {
             session_id: req.session_id,
-            agent: s.agent,
+            agent: std::mem::take(&mut stored.agent),
             messages: Vec::new(),
             next_page_token: String::new(),
-            total_messages: s.messages.len() as u32,
+            total_messages: total as u32,
         };
-        let most = if req.page_size == 0 { usize::MAX } else { req.page_size as usize };
         // Room for the token itself, written after the messages are chosen.
-        let mut room = self.runtime.settings.max_message_bytes.saturating_sub(prost::Message::encoded_len(&page) + 16);
-        for message in s.messages[start..].iter().take(most) {
-            let message = pb::Message::from(message);
-            let len = prost::Message::encoded_len(&message);
-            let cost = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
-            // The first message always goes in: no stored message is larger
-            // than one event was (see `sized`).
-            if cost > room && !page.messages.is_empty() {
+        let mut room = limit.saturating_sub(prost::Message::encoded_len(&page) + 16);
+        // No more than the first read's count: a commit landing between
+        // reads is not half shown.
+        let most = most.min(total - start);
+        loop {
+            let read = stored.messages.len();
+            let mut full = false;
+            for message in &stored.messages {
+                let message = pb::Message::from(message);
+                let len = prost::Message::encoded_len(&message);
+                let cost = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+                // The first message always goes in: no stored message is
+                // larger than one event was (see `sized`).
+                if cost > room && !page.messages.is_empty() {
+                    full = true;
+                    break;
+                }
+                room = room.saturating_sub(cost);
+                page.messages.push(message);
+            }
+            let got = page.messages.len();
+            if full || read == 0 || got >= most {
                 break;
             }
-            room = room.saturating_sub(cost);
-            page.messages.push(message);
+            // The store's measure ran ahead of the wire's: read on.
+            stored = self
+                .store
+                .page_as(&page.session_id, owner, start + got, most - got, ask(room))
+                .await
+                .map_err(|e| status::store_error(&e))?;
         }
         let next = start + page.messages.len();
-        if next < s.messages.len() {
+        if next < total {
             page.next_page_token = next.to_string();
         }
         Ok(Response::new(page))

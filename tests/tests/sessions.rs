@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use lattice_proto::agent::v1 as pb;
 use lattice_tests::{
     Lattice, QueryOpts, cfg,
     hook::{Behaviour, HookServer},
@@ -358,4 +359,118 @@ async fn a_lease_taken_while_a_commit_lands_reads_that_commits_messages() {
 
     let history = acquiring.await.unwrap().expect("the session is free once the commit lands");
     assert_eq!(history, vec![Message::user_text("first"), Message::user_text("late")]);
+}
+
+/// Reading a conversation in pages, on both stores: every page is as full
+/// as the message limit allows, even where the store's measure of a message
+/// runs far ahead of its size on the wire (text that JSON escapes sixfold,
+/// as PostgreSQL stores it), and the pages together are the conversation.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_conversation_is_read_in_full_pages_on_both_stores() {
+    const LIMIT: usize = 65536;
+    let url = Cluster::shared().await.database().await;
+    for store in ["memory", "postgres"] {
+        let sessions = match store {
+            "postgres" => format!("[sessions]\nstore = \"postgres\"\nurl_env = \"{URL_ENV}\"\n"),
+            _ => "[sessions]\nstore = \"memory\"\n".to_owned(),
+        };
+        let config =
+            format!("[server]\nmax_message_bytes = {LIMIT}\n{sessions}") + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+        let lattice = Lattice::start_with_env(&config, &[(URL_ENV, &url)]).await;
+        let mut session = None;
+        for i in 0..8 {
+            let opts = QueryOpts {
+                agent: "a".into(),
+                prompt: format!("{i}:{}", "\u{1}".repeat(12 * 1024)),
+                session: session.clone(),
+                no_model_requests: true,
+                ..Default::default()
+            };
+            session = Some(lattice.query_with(opts).await.session_id());
+        }
+        let sid = session.unwrap();
+        let mut pages = vec![lattice.session_page(&sid, 0, "").await.unwrap()];
+        while let Some(token) = pages.last().map(|p| p.next_page_token.clone()).filter(|t| !t.is_empty()) {
+            pages.push(lattice.session_page(&sid, 0, &token).await.unwrap());
+            assert!(pages.len() <= 16, "{store}: the pages never end");
+        }
+        assert!(pages.len() > 1, "{store}: a conversation larger than the limit comes in pages");
+        for (page, next) in pages.iter().zip(pages.iter().skip(1)) {
+            assert!(prost::Message::encoded_len(page) <= LIMIT, "{store}");
+            // Full: the next page's first message would not have fitted
+            // (with the room the server keeps for the token).
+            let first = &next.messages[0];
+            let len = prost::Message::encoded_len(first);
+            let cost = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+            let without_token = pb::Session { next_page_token: String::new(), ..page.clone() };
+            assert!(
+                prost::Message::encoded_len(&without_token) + cost + 16 > LIMIT,
+                "{store}: a page of {} messages had room for the next",
+                page.messages.len()
+            );
+        }
+        let messages: Vec<String> = pages.iter().flat_map(|p| p.messages.iter().map(message_text)).collect();
+        let prompts: Vec<&str> = messages.iter().step_by(2).map(|t| &t[..2]).collect();
+        assert_eq!(prompts, ["0:", "1:", "2:", "3:", "4:", "5:", "6:", "7:"], "{store}");
+        assert!(messages.iter().skip(1).step_by(2).all(|t| t == "ok"), "{store}");
+        assert!(pages.iter().all(|p| p.total_messages == 16 && p.agent == "a"), "{store}");
+    }
+}
+
+/// A store reads the page asked for, on both stores: from where, how many
+/// and how large; and no more of the conversation than that (in
+/// PostgreSQL, a message past the page that could not be read does not
+/// fail it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_reads_only_the_page_asked_for() {
+    use lattice_server::{
+        config::PostgresSettings,
+        domain::Message,
+        session::{MemoryStore, PostgresStore, SessionStore, StoreError},
+    };
+    let url = Cluster::shared().await.database().await;
+    let settings = PostgresSettings { url_env: "-".into(), url: url.clone(), pool_size: 2, exit_if_unreachable: true };
+    let postgres = PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap();
+    postgres.migrate().await.unwrap();
+    let stores: [(&str, Box<dyn SessionStore>); 2] =
+        [("memory", Box::new(MemoryStore::default())), ("postgres", Box::new(postgres))];
+    let all: Vec<Message> = (0..6).map(|i| Message::user_text(format!("{i}{}", "x".repeat(999)))).collect();
+    for (name, store) in &stores {
+        let lease = store.acquire_as("s", "a", Some("alice"), true).await.unwrap();
+        lease.commit(all.clone()).await.unwrap();
+        let page = |from, most, bytes| store.page_as("s", Some("alice"), from, most, bytes);
+
+        let middle = page(2, 3, usize::MAX).await.unwrap();
+        assert_eq!((middle.agent.as_str(), middle.total), ("a", 6), "{name}");
+        assert_eq!(middle.messages, all[2..5], "{name}");
+        // Sized: the page ends with the message that reaches the size (by
+        // the store's measure, a little over 1,000 bytes a message here).
+        let one = all[0].size();
+        assert_eq!(page(0, usize::MAX, 1).await.unwrap().messages, all[..1], "{name}");
+        assert_eq!(page(0, usize::MAX, one + one / 2).await.unwrap().messages, all[..2], "{name}");
+        assert_eq!(page(1, usize::MAX, 2 * one + one / 2).await.unwrap().messages, all[1..4], "{name}");
+        assert_eq!(page(4, usize::MAX, usize::MAX).await.unwrap().messages, all[4..], "{name}");
+        // Empty: nothing asked for, or past the end.
+        assert!(page(0, 0, usize::MAX).await.unwrap().messages.is_empty(), "{name}");
+        let past = page(9, usize::MAX, usize::MAX).await.unwrap();
+        assert!(past.messages.is_empty() && past.total == 6, "{name}");
+        // Another owner's session, or none, is not found.
+        let theirs = store.page_as("s", Some("bob"), 0, usize::MAX, usize::MAX).await;
+        assert_eq!(theirs.unwrap_err(), StoreError::NotFound, "{name}");
+        let none = store.page_as("t", None, 0, usize::MAX, usize::MAX).await;
+        assert_eq!(none.unwrap_err(), StoreError::NotFound, "{name}");
+    }
+
+    // A stored message past the page that no longer parses: the page
+    // before it reads, the whole conversation does not.
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+        .execute("UPDATE lattice_messages SET message = 'not json' WHERE session_id = 's' AND seq = 5", &[])
+        .await
+        .unwrap();
+    let postgres = &stores[1].1;
+    assert_eq!(postgres.page_as("s", None, 0, 5, usize::MAX).await.unwrap().messages, all[..5]);
+    assert_eq!(postgres.page_as("s", None, 0, usize::MAX, 2 * all[0].size()).await.unwrap().messages.len(), 2);
+    assert_eq!(postgres.get("s").await.unwrap_err(), StoreError::Unavailable("postgres"));
 }

@@ -9,7 +9,7 @@ use std::{
 
 use tokio::{sync::watch, time::Instant};
 
-use super::{Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredSession};
+use super::{Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession};
 use crate::domain::Message;
 
 /// Sessions held in this process.
@@ -166,12 +166,34 @@ impl SessionStore for MemoryStore {
         })
     }
 
-    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession> {
+    fn page_as<'a>(
+        &'a self,
+        session_id: &'a str,
+        owner: Option<&'a str>,
+        from: usize,
+        most: usize,
+        bytes: usize,
+    ) -> StoreFuture<'a, StoredPage> {
         Box::pin(async move {
             let mut state = self.state();
             let slot = self.live(&mut state, session_id).filter(|s| owns(owner, s)).ok_or(StoreError::NotFound)?;
             slot.touched = Instant::now();
-            Ok(slot.session.clone())
+            let all = &slot.session.messages;
+            // Only the page is copied.
+            let mut size = 0usize;
+            let messages = all
+                .get(from..)
+                .unwrap_or_default()
+                .iter()
+                .take(most)
+                .take_while(|m| {
+                    let before = size;
+                    size = size.saturating_add(m.size());
+                    before < bytes
+                })
+                .cloned()
+                .collect();
+            Ok(StoredPage { agent: slot.session.agent.clone(), total: all.len(), messages })
         })
     }
 

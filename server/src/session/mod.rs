@@ -49,6 +49,17 @@ pub struct StoredSession {
     pub messages: Vec<Message>,
 }
 
+/// One page of a stored conversation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StoredPage {
+    /// The agent the session belongs to.
+    pub agent: String,
+    /// How many messages the whole conversation has.
+    pub total: usize,
+    /// The page's messages, in order.
+    pub messages: Vec<Message>,
+}
+
 /// Why a store operation failed. Messages never name the store's address.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
@@ -86,8 +97,23 @@ pub trait SessionStore: Send + Sync + fmt::Debug {
         owner: Option<&'a str>,
         create: bool,
     ) -> StoreFuture<'a, Lease>;
-    /// The conversation as last committed (of `owner`'s sessions, when set).
-    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession>;
+    /// A page of the conversation as last committed (of `owner`'s
+    /// sessions, when set): the messages from index `from` on, at most
+    /// `most` of them, ending with the first that takes the page's size to
+    /// `bytes` or past it. Sizes are the store's own measure, close to but
+    /// not exactly the size on the wire ([`Message::size`] in memory, the
+    /// stored JSON's length in PostgreSQL): the caller trims to its exact
+    /// limit. Only the page is read, so
+    /// paging through a long conversation reads it once. Past the end, the
+    /// page is empty.
+    fn page_as<'a>(
+        &'a self,
+        session_id: &'a str,
+        owner: Option<&'a str>,
+        from: usize,
+        most: usize,
+        bytes: usize,
+    ) -> StoreFuture<'a, StoredPage>;
     /// Deletes a session (of `owner`'s, when set; refused while a query
     /// runs in it).
     fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()>;
@@ -95,6 +121,14 @@ pub trait SessionStore: Send + Sync + fmt::Debug {
     /// [`SessionStore::acquire_as`] with no owner.
     fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease> {
         self.acquire_as(session_id, agent, None, create)
+    }
+    /// The whole conversation as last committed (of `owner`'s sessions,
+    /// when set).
+    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession> {
+        Box::pin(async move {
+            let page = self.page_as(session_id, owner, 0, usize::MAX, usize::MAX).await?;
+            Ok(StoredSession { agent: page.agent, messages: page.messages })
+        })
     }
     /// [`SessionStore::get_as`] with no owner.
     fn get<'a>(&'a self, session_id: &'a str) -> StoreFuture<'a, StoredSession> {

@@ -25,7 +25,7 @@ use tokio_postgres::NoTls;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::{Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredSession};
+use super::{Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession};
 use crate::{config::PostgresSettings, domain::Message};
 
 /// How long a pool waits for a connection, or to make one, before the
@@ -91,6 +91,11 @@ fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolError) -> St
         deadpool_postgres::PoolError::Backend(b) => unavailable(what, b, b.code().map(|c| c.code())),
         other => unavailable(what, other, None),
     }
+}
+
+/// A count or size as a bigint parameter (larger ones mean "no limit").
+fn clamp(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 /// Messages as stored (one JSON document each), in order.
@@ -393,25 +398,54 @@ impl SessionStore for PostgresStore {
         })
     }
 
-    fn get_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, StoredSession> {
+    fn page_as<'a>(
+        &'a self,
+        session_id: &'a str,
+        owner: Option<&'a str>,
+        from: usize,
+        most: usize,
+        bytes: usize,
+    ) -> StoreFuture<'a, StoredPage> {
         Box::pin(async move {
             let client = self.pool.get().await.map_err(pool_error("get"))?;
-            // The session and its messages in one statement (one snapshot).
+            // The session and its page in one statement (one snapshot). The
+            // page is walked message by message, one index lookup each, and
+            // the walk stops at the size asked for: the rest of the
+            // conversation is not read. A message's size here is its
+            // stored length, which PostgreSQL knows without reading it.
             let stmt = client
                 .prepare_cached(
-                    "SELECT agent, ARRAY(SELECT message FROM lattice_messages
-                                         WHERE session_id = s.id AND seq < s.message_count ORDER BY seq)
-                     FROM lattice_sessions s
-                     WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
-                       AND ($3::text IS NULL OR owner = $3)",
+                    "WITH RECURSIVE s AS (
+                         SELECT agent, message_count FROM lattice_sessions
+                         WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
+                           AND ($3::text IS NULL OR owner = $3)
+                     ), page (seq, message, upto) AS (
+                         SELECT m.seq, m.message, octet_length(m.message)::bigint
+                         FROM s JOIN lattice_messages m ON m.session_id = $1 AND m.seq = $4::bigint
+                         WHERE m.seq < s.message_count AND $5::bigint > 0 AND $6::bigint > 0
+                       UNION ALL
+                         SELECT m.seq, m.message, page.upto + octet_length(m.message)
+                         FROM page, s JOIN lattice_messages m ON m.session_id = $1
+                         WHERE m.seq = page.seq + 1 AND m.seq < s.message_count
+                           AND m.seq - $4 < $5 AND page.upto < $6
+                     )
+                     SELECT agent, message_count, ARRAY(SELECT message FROM page ORDER BY seq) FROM s",
                 )
                 .await
                 .map_err(db("get"))?;
-            let row = client.query_opt(&stmt, &[&session_id, &self.idle_s(), &owner]).await.map_err(db("get"))?;
+            let (from, most, bytes) = (clamp(from), clamp(most), clamp(bytes));
+            let row = client
+                .query_opt(&stmt, &[&session_id, &self.idle_s(), &owner, &from, &most, &bytes])
+                .await
+                .map_err(db("get"))?;
             let row = row.ok_or(StoreError::NotFound)?;
-            let (agent, stored): (String, Vec<&str>) =
-                (row.try_get(0).map_err(db("get"))?, row.try_get(1).map_err(db("get"))?);
-            Ok(StoredSession { agent, messages: parse(session_id, stored.into_iter())? })
+            let (agent, total, stored): (String, i64, Vec<&str>) = (
+                row.try_get(0).map_err(db("get"))?,
+                row.try_get(1).map_err(db("get"))?,
+                row.try_get(2).map_err(db("get"))?,
+            );
+            let total = usize::try_from(total).unwrap_or_default();
+            Ok(StoredPage { agent, total, messages: parse(session_id, stored.into_iter())? })
         })
     }
 
