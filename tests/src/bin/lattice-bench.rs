@@ -7,10 +7,12 @@
 //! costs per message of history), and the session store: queries continuing sessions in the `memory` and
 //! the `postgres` store, with 1 and 16 clients at once (no trace); and the time of one
 //! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
-//! not grow with the conversation). PostgreSQL is the tests' throw-away
+//! not grow with the conversation). Last, reading a 16 MiB conversation
+//! with GetSession, one page and all of its pages, from each store (paging
+//! through it must read it about once). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
 //!
-//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,stores,commits]`
+//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,stores,commits,pages]`
 
 use std::time::{Duration, Instant};
 
@@ -51,7 +53,7 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let queries: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(300);
     // The sections to run (all by default).
-    const SECTIONS: [&str; 4] = ["hooks", "long", "stores", "commits"];
+    const SECTIONS: [&str; 5] = ["hooks", "long", "stores", "commits", "pages"];
     let only = args.iter().position(|a| a == "--only").map(|i| args.get(i + 1).cloned().unwrap_or_default());
     if let Some(unknown) = only.iter().flat_map(|o| o.split(',')).find(|s| !SECTIONS.contains(s)) {
         eprintln!("lattice-bench: no section {unknown:?} (--only takes some of {})", SECTIONS.join(","));
@@ -71,6 +73,9 @@ async fn main() {
     }
     if section("commits") {
         commits().await;
+    }
+    if section("pages") {
+        pages().await;
     }
 }
 
@@ -301,5 +306,56 @@ async fn commits() {
             percentile(&commit, 0.99),
             percentile(&acquire, 0.5)
         );
+    }
+}
+
+/// GetSession on a conversation of 16 MiB (64 prompts of 256 KiB and their
+/// answers: five pages at the default 4 MiB limit), from each store: the first page, and
+/// every page in turn. Reading all the pages must cost about what reading
+/// the conversation once does, not once per page.
+async fn pages() {
+    let database = Cluster::shared().await.database().await;
+    println!();
+    println!("GetSession of a 16 MiB conversation (64 prompts of 256 KiB and their answers), 10 reads per row");
+    println!("{:>9} {:>6} {:>14} {:>14} {:>10}", "store", "pages", "first page", "all pages", "MiB/s");
+    for store in ["memory", "postgres"] {
+        let sessions = match store {
+            "postgres" => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
+            _ => "[sessions]\nstore = \"memory\"\n",
+        };
+        let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+        let lattice = Lattice::start_untraced(&config, &[("BENCH_PG", &database)]).await;
+        // 64 queries: a 256 KiB prompt and a short answer each.
+        let prompt = "x".repeat(256 * 1024);
+        let mut sid: Option<String> = None;
+        for _ in 0..64 {
+            let opts = QueryOpts {
+                agent: "a".into(),
+                prompt: prompt.clone(),
+                session: sid.clone(),
+                no_model_requests: true,
+                ..Default::default()
+            };
+            sid = Some(lattice.query_with(opts).await.session_id());
+        }
+        let sid = sid.unwrap_or_default();
+        let (mut first, mut all, mut pages, mut bytes) = (Vec::new(), Vec::new(), 0, 0);
+        for _ in 0..10 {
+            let started = Instant::now();
+            let mut page = lattice.session_page(&sid, 0, "").await.unwrap();
+            first.push(started.elapsed());
+            (pages, bytes) = (1, prost::Message::encoded_len(&page));
+            while !page.next_page_token.is_empty() {
+                page = lattice.session_page(&sid, 0, &page.next_page_token).await.unwrap();
+                (pages, bytes) = (pages + 1, bytes + prost::Message::encoded_len(&page));
+            }
+            all.push(started.elapsed());
+        }
+        first.sort();
+        all.sort();
+        let (first, all) = (percentile(&first, 0.5), percentile(&all, 0.5));
+        let rate = bytes as f64 / (1024.0 * 1024.0) / all.as_secs_f64();
+        println!("{store:>9} {pages:>6} {first:>14.2?} {all:>14.2?} {rate:>10.0}");
+        lattice.stop().await;
     }
 }
