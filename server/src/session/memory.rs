@@ -38,7 +38,14 @@ struct State {
 
 #[derive(Debug)]
 struct Slot {
-    session: StoredSession,
+    /// The agent it belongs to.
+    agent: String,
+    /// The conversation, shared with whoever is copying it out: copies are
+    /// made after the store's lock is released, so a long conversation's
+    /// copy holds up no other session. Only commits change it, and by then
+    /// the copy is made (a commit that finds one still under way copies it
+    /// first).
+    messages: Arc<Vec<Message>>,
     /// The principal that created it ("" with authentication off).
     owner: String,
     /// The token of the lease that holds it, if any.
@@ -104,7 +111,7 @@ impl LeaseHolder for MemoryLease {
             let mut state = self.store.state();
             let slot = state.slots.get_mut(&self.id).filter(|s| s.leased == Some(self.token));
             let slot = slot.ok_or(StoreError::LeaseLost)?;
-            slot.session.messages.extend(appended);
+            Arc::make_mut(&mut slot.messages).extend(appended);
             slot.leased = None;
             slot.touched = Instant::now();
             Ok(())
@@ -117,7 +124,7 @@ impl LeaseHolder for MemoryLease {
             slot.leased = None;
             // A session created by a query that failed stays empty: forget
             // it, so a failed query leaves nothing behind.
-            if self.created && slot.session.messages.is_empty() {
+            if self.created && slot.messages.is_empty() {
                 state.slots.remove(&self.id);
             }
         }
@@ -138,18 +145,18 @@ impl SessionStore for MemoryStore {
             state.next_token += 1;
             let token = state.next_token;
             let now = Instant::now();
-            let session = if create {
+            let (agent, history) = if create {
                 if self.live(&mut state, session_id).is_some() {
                     return Err(StoreError::Busy);
                 }
                 if state.slots.len() >= self.inner.max_sessions {
                     return Err(StoreError::Full(self.inner.max_sessions));
                 }
-                let session = StoredSession { agent: agent.to_owned(), messages: Vec::new() };
                 let owner = owner.unwrap_or_default().to_owned();
-                let slot = Slot { session: session.clone(), owner, leased: Some(token), touched: now };
+                let messages = Arc::default();
+                let slot = Slot { agent: agent.to_owned(), messages, owner, leased: Some(token), touched: now };
                 state.slots.insert(session_id.to_owned(), slot);
-                session
+                (agent.to_owned(), Arc::default())
             } else {
                 let slot = self.live(&mut state, session_id).filter(|s| owns(owner, s)).ok_or(StoreError::NotFound)?;
                 if slot.leased.is_some() {
@@ -157,8 +164,12 @@ impl SessionStore for MemoryStore {
                 }
                 slot.leased = Some(token);
                 slot.touched = now;
-                slot.session.clone()
+                (slot.agent.clone(), slot.messages.clone())
             };
+            drop(state);
+            // The copy the query owns, made outside the lock.
+            let session = StoredSession { agent, messages: Vec::clone(&history) };
+            drop(history);
             let holder = MemoryLease { store: self.clone(), id: session_id.to_owned(), token, created: create };
             // Nothing takes a lease away in one process: never lost.
             let (_, lost) = watch::channel(false);
@@ -178,8 +189,9 @@ impl SessionStore for MemoryStore {
             let mut state = self.state();
             let slot = self.live(&mut state, session_id).filter(|s| owns(owner, s)).ok_or(StoreError::NotFound)?;
             slot.touched = Instant::now();
-            let all = &slot.session.messages;
-            // Only the page is copied.
+            let (agent, all) = (slot.agent.clone(), slot.messages.clone());
+            drop(state);
+            // Only the page is copied, outside the lock.
             let mut size = 0usize;
             let messages = all
                 .get(from..)
@@ -193,7 +205,7 @@ impl SessionStore for MemoryStore {
                 })
                 .cloned()
                 .collect();
-            Ok(StoredPage { agent: slot.session.agent.clone(), total: all.len(), messages })
+            Ok(StoredPage { agent, total: all.len(), messages })
         })
     }
 
