@@ -74,7 +74,7 @@ pub mod defaults {
     pub const MODEL_RETRIES: u32 = 3;
     /// Sessions the memory store holds at most.
     pub const MAX_SESSIONS: usize = 10_000;
-    /// Sessions untouched this long are deleted (a week).
+    /// Sessions neither queried nor read this long are deleted (a week).
     pub const IDLE_TTL_S: u64 = 7 * 24 * 3600;
     /// A crashed replica's lease expires after this.
     pub const LEASE_TTL_MS: u64 = 15_000;
@@ -395,7 +395,7 @@ pub struct SessionSettings {
     pub store: StoreSettings,
     /// A crashed replica's lease expires after this.
     pub lease_ttl: Duration,
-    /// Sessions untouched this long are deleted.
+    /// Sessions neither queried nor read this long are deleted.
     pub idle_ttl: Duration,
     /// The memory store holds at most this many sessions.
     pub max_sessions: usize,

@@ -474,3 +474,28 @@ async fn a_store_reads_only_the_page_asked_for() {
     assert_eq!(postgres.page_as("s", None, 0, usize::MAX, 2 * all[0].size()).await.unwrap().messages.len(), 2);
     assert_eq!(postgres.get("s").await.unwrap_err(), StoreError::Unavailable("postgres"));
 }
+
+/// Reading a session counts as using it, on both stores: one read again
+/// and again within `idle_ttl_s` outlives it, and it expires once left
+/// alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_read_within_its_idle_time_is_kept_on_both_stores() {
+    let url = Cluster::shared().await.database().await;
+    for store in ["memory", "postgres"] {
+        let sessions = match store {
+            "postgres" => format!("[sessions]\nstore = \"postgres\"\nurl_env = \"{URL_ENV}\"\nidle_ttl_s = 1\n"),
+            _ => "[sessions]\nstore = \"memory\"\nidle_ttl_s = 1\n".to_owned(),
+        };
+        let config = sessions + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+        let lattice = Lattice::start_with_env(&config, &[(URL_ENV, &url)]).await;
+        let sid = lattice.query("a", "hi").await.session_id();
+        let started = Instant::now();
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let read = lattice.session(&sid).await;
+            assert!(read.is_ok(), "{store}: read after {:?}: {:?}", started.elapsed(), read.err());
+        }
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        assert_eq!(lattice.session(&sid).await.unwrap_err().code(), Code::NotFound, "{store}: left alone, it expires");
+    }
+}

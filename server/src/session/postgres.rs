@@ -413,9 +413,16 @@ impl SessionStore for PostgresStore {
             // the walk stops at the size asked for: the rest of the
             // conversation is not read. A message's size here is its
             // stored length, which PostgreSQL knows without reading it.
+            // A read counts as use, as in the memory store: it moves
+            // `touched_at` on, written at most every tenth of the idle time.
             let stmt = client
                 .prepare_cached(
-                    "WITH RECURSIVE s AS (
+                    "WITH RECURSIVE touch AS (
+                         UPDATE lattice_sessions SET touched_at = now()
+                         WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
+                           AND touched_at < now() - $2 * interval '100 milliseconds'
+                           AND ($3::text IS NULL OR owner = $3)
+                     ), s AS (
                          SELECT agent, message_count FROM lattice_sessions
                          WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
                            AND ($3::text IS NULL OR owner = $3)
