@@ -80,6 +80,8 @@ pub mod defaults {
     pub const LEASE_TTL_MS: u64 = 15_000;
     /// PostgreSQL connections per replica.
     pub const POSTGRES_POOL_SIZE: usize = 16;
+    /// MiB of conversations a replica keeps (PostgreSQL store).
+    pub const HISTORY_CACHE_MIB: usize = 32;
 }
 
 // ---------------------------------------------------------------- raw ----
@@ -115,6 +117,9 @@ struct RawSessions {
     idle_ttl_s: Option<u64>,
     max_sessions: Option<usize>,
     pool_size: Option<usize>,
+    /// PostgreSQL: MiB of conversations each replica keeps, so that a
+    /// query reads only the messages committed since (0: none kept).
+    history_cache_mib: Option<Spanned<usize>>,
     /// "wait" (default): serve NOT_SERVING and retry; "exit": refuse to start.
     on_unreachable: Option<Spanned<String>>,
 }
@@ -422,6 +427,9 @@ pub struct PostgresSettings {
     /// Refuse to start when the database can't be reached (instead of
     /// serving NOT_SERVING and retrying).
     pub exit_if_unreachable: bool,
+    /// Bytes of conversations this replica keeps, so that taking a lease
+    /// reads only the messages committed since (0: none kept).
+    pub history_cache_bytes: usize,
 }
 
 impl fmt::Debug for PostgresSettings {
@@ -431,6 +439,7 @@ impl fmt::Debug for PostgresSettings {
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
             .field("exit_if_unreachable", &self.exit_if_unreachable)
+            .field("history_cache_bytes", &self.history_cache_bytes)
             .finish()
     }
 }
@@ -1375,6 +1384,10 @@ impl Validator<'_> {
                 if let Some(var) = &s.url_env {
                     self.problem(Some(var.span()), "sessions.url_env", "only the postgres store takes a URL");
                 }
+                if let Some(mib) = &s.history_cache_mib {
+                    let why = "only the postgres store keeps a cache (the memory store holds every conversation)";
+                    self.problem(Some(mib.span()), "sessions.history_cache_mib", why);
+                }
                 StoreSettings::Memory
             }
             Some(("postgres", span)) => {
@@ -1388,6 +1401,11 @@ impl Validator<'_> {
                     url,
                     pool_size: s.pool_size.unwrap_or(defaults::POSTGRES_POOL_SIZE).max(1),
                     exit_if_unreachable,
+                    history_cache_bytes: s
+                        .history_cache_mib
+                        .as_ref()
+                        .map_or(defaults::HISTORY_CACHE_MIB, |m| *m.get_ref())
+                        .saturating_mul(1024 * 1024),
                 })
             }
             Some((other, span)) => {

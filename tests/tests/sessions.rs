@@ -44,6 +44,19 @@ fn continue_(session: &str, prompt: &str) -> QueryOpts {
     QueryOpts { agent: "a".into(), prompt: prompt.into(), session: Some(session.into()), ..Default::default() }
 }
 
+/// A store of its own on the database at `url`, as one replica would
+/// have: leases of `lease_ttl`, keeping `cache` bytes of conversations.
+fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server::session::PostgresStore {
+    let settings = lattice_server::config::PostgresSettings {
+        url_env: "-".into(),
+        url: url.to_owned(),
+        pool_size: 2,
+        exit_if_unreachable: true,
+        history_cache_bytes: cache,
+    };
+    lattice_server::session::PostgresStore::new(&settings, lease_ttl, Duration::from_secs(3600)).unwrap()
+}
+
 /// A session started on replica A is continued on B and read on C: the
 /// same history everywhere.
 #[tokio::test(flavor = "multi_thread")]
@@ -279,13 +292,11 @@ async fn the_memory_store_is_bounded_and_expires() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_lease_writes_nothing() {
     use lattice_server::{
-        config::PostgresSettings,
         domain::Message,
-        session::{PostgresStore, SessionStore, StoreError},
+        session::{SessionStore, StoreError},
     };
     let url = Cluster::shared().await.database().await;
-    let settings = PostgresSettings { url_env: "-".into(), url: url.clone(), pool_size: 2, exit_if_unreachable: true };
-    let store = PostgresStore::new(&settings, Duration::from_millis(600), Duration::from_secs(3600)).unwrap();
+    let store = replica_store(&url, Duration::from_millis(600), 1 << 20);
     store.migrate().await.unwrap();
     store.acquire("s", "a", true).await.unwrap().commit(vec![Message::user_text("kept")]).await.unwrap();
 
@@ -305,14 +316,9 @@ async fn a_lost_lease_writes_nothing() {
 /// commit's messages: the history and the count it continues from agree.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lease_taken_while_a_commit_lands_reads_that_commits_messages() {
-    use lattice_server::{
-        config::PostgresSettings,
-        domain::Message,
-        session::{PostgresStore, SessionStore},
-    };
+    use lattice_server::{domain::Message, session::SessionStore};
     let url = Cluster::shared().await.database().await;
-    let settings = PostgresSettings { url_env: "-".into(), url: url.clone(), pool_size: 2, exit_if_unreachable: true };
-    let store = PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap();
+    let store = replica_store(&url, Duration::from_secs(15), 1 << 20);
     store.migrate().await.unwrap();
     store.acquire("s", "a", true).await.unwrap().commit(vec![Message::user_text("first")]).await.unwrap();
 
@@ -424,13 +430,11 @@ async fn a_conversation_is_read_in_full_pages_on_both_stores() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_store_reads_only_the_page_asked_for() {
     use lattice_server::{
-        config::PostgresSettings,
         domain::Message,
-        session::{MemoryStore, PostgresStore, SessionStore, StoreError},
+        session::{MemoryStore, SessionStore, StoreError},
     };
     let url = Cluster::shared().await.database().await;
-    let settings = PostgresSettings { url_env: "-".into(), url: url.clone(), pool_size: 2, exit_if_unreachable: true };
-    let postgres = PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap();
+    let postgres = replica_store(&url, Duration::from_secs(15), 1 << 20);
     postgres.migrate().await.unwrap();
     let stores: [(&str, Box<dyn SessionStore>); 2] =
         [("memory", Box::new(MemoryStore::default())), ("postgres", Box::new(postgres))];
@@ -498,4 +502,65 @@ async fn a_session_read_within_its_idle_time_is_kept_on_both_stores() {
         tokio::time::sleep(Duration::from_millis(1300)).await;
         assert_eq!(lattice.session(&sid).await.unwrap_err().code(), Code::NotFound, "{store}: left alone, it expires");
     }
+}
+
+/// A replica keeps the conversations it has read and written, and taking
+/// a lease then reads only the messages committed since, whichever replica
+/// committed them; a replica that keeps none reads them all. A session
+/// deleted and made again under the same id is another conversation, read
+/// afresh.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_reads_only_the_messages_committed_since_it_knew_the_conversation() {
+    use lattice_server::{
+        domain::Message,
+        session::{SessionStore, StoreError},
+    };
+    let url = Cluster::shared().await.database().await;
+    let replica = |cache| replica_store(&url, Duration::from_secs(15), cache);
+    let (a, b, none) = (replica(1 << 20), replica(1 << 20), replica(0));
+    a.migrate().await.unwrap();
+    let m = |t: &str| Message::user_text(t);
+    let texts = |messages: &[Message]| messages.iter().map(Message::text).collect::<Vec<_>>();
+
+    a.acquire("s", "a", true).await.unwrap().commit(vec![m("1"), m("2")]).await.unwrap();
+    let lease = b.acquire("s", "a", false).await.unwrap();
+    assert_eq!(texts(&lease.session.messages), ["1", "2"]);
+    lease.commit(vec![m("3"), m("4")]).await.unwrap();
+
+    // The first message can no longer be read from the database: only a
+    // replica that reads it again fails.
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let spoil = "UPDATE lattice_messages SET message = 'not json' WHERE session_id = 's' AND seq = 0";
+    client.execute(spoil, &[]).await.unwrap();
+    let lease = a.acquire("s", "a", false).await.unwrap();
+    assert_eq!(texts(&lease.session.messages), ["1", "2", "3", "4"], "A read B's two");
+    lease.commit(vec![m("5")]).await.unwrap();
+    let lease = b.acquire("s", "a", false).await.unwrap();
+    assert_eq!(texts(&lease.session.messages), ["1", "2", "3", "4", "5"], "B read A's one");
+    lease.release().await;
+    assert_eq!(none.acquire("s", "a", false).await.unwrap_err(), StoreError::Unavailable("postgres"));
+
+    // Deleted (by a replica other than A) and made again under the same
+    // id, longer than A knew the old one.
+    none.delete("s").await.unwrap();
+    let new: Vec<String> = (1..=6).map(|i| format!("new {i}")).collect();
+    let lease = none.acquire("s", "a", true).await.unwrap();
+    lease.commit(new.iter().map(|t| m(t)).collect()).await.unwrap();
+    let lease = a.acquire("s", "a", false).await.unwrap();
+    assert_eq!(texts(&lease.session.messages), new, "A read the new session, not what it knew of the old");
+    lease.commit(vec![m("again")]).await.unwrap();
+    let lease = b.acquire("s", "a", false).await.unwrap();
+    assert_eq!(texts(&lease.session.messages)[5..], ["new 6", "again"]);
+}
+
+/// `history_cache_mib` belongs to the PostgreSQL store: with the memory
+/// store (which holds every conversation anyway) it is refused, at its
+/// line.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_history_cache_is_refused_for_the_memory_store() {
+    let config = "[sessions]\nstore = \"memory\"\nhistory_cache_mib = 8\n".to_owned() + &cfg::agent("a", "");
+    let err = Lattice::try_start(&config).await.err().expect("refused");
+    assert!(err.contains("sessions.history_cache_mib: only the postgres store keeps a cache"), "{err}");
+    assert!(err.contains("test.toml:3"), "{err}");
 }

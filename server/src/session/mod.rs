@@ -13,6 +13,7 @@
 //! - Messages are only ever appended: a commit never rewrites history, so
 //!   it costs the same for a conversation of 10 turns or 1,000.
 
+mod cache;
 mod memory;
 mod postgres;
 

@@ -14,6 +14,9 @@
 //! therefore write nothing. A crashed replica's lease expires after
 //! `lease_ttl`; a running query renews it every third of that.
 //!
+//! A replica may keep the conversations it knows (see `cache`): taking a
+//! lease then reads only the messages committed after what it knows.
+//!
 //! Errors never carry the connection string: a failure is "the session
 //! store (postgres) is unavailable", logged with its SQLSTATE or kind.
 
@@ -25,7 +28,9 @@ use tokio_postgres::NoTls;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::{Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession};
+use super::{
+    Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache,
+};
 use crate::{config::PostgresSettings, domain::Message};
 
 /// How long a pool waits for a connection, or to make one, before the
@@ -67,6 +72,9 @@ pub struct PostgresStore {
     pool: Pool,
     lease_ttl: Duration,
     idle_ttl: Duration,
+    /// The conversations this replica knows, if kept: taking a lease then
+    /// reads only the messages committed since.
+    cache: Option<Arc<HistoryCache>>,
 }
 
 /// Logs a database error by kind (never its text, which may quote values)
@@ -128,7 +136,9 @@ impl PostgresStore {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(|e| format!("cannot build the connection pool: {e}"))?;
-        Ok(Self { pool, lease_ttl, idle_ttl })
+        let cache =
+            (settings.history_cache_bytes > 0).then(|| Arc::new(HistoryCache::new(settings.history_cache_bytes)));
+        Ok(Self { pool, lease_ttl, idle_ttl, cache })
     }
 
     /// Brings the schema up to date (idempotent; safe from many replicas).
@@ -168,17 +178,20 @@ impl PostgresStore {
         self.idle_ttl.as_secs_f64()
     }
 
-    /// The committed messages of a session, in order.
+    /// The committed messages of a session from `from` to `count`, in order.
     async fn messages(
         client: &deadpool_postgres::Object,
         session_id: &str,
+        from: i64,
         count: i64,
     ) -> Result<Vec<Message>, StoreError> {
         let stmt = client
-            .prepare_cached("SELECT message FROM lattice_messages WHERE session_id = $1 AND seq < $2 ORDER BY seq")
+            .prepare_cached(
+                "SELECT message FROM lattice_messages WHERE session_id = $1 AND seq >= $2 AND seq < $3 ORDER BY seq",
+            )
             .await
             .map_err(db("read"))?;
-        let rows = client.query(&stmt, &[&session_id, &count]).await.map_err(db("read"))?;
+        let rows = client.query(&stmt, &[&session_id, &from, &count]).await.map_err(db("read"))?;
         parse(session_id, rows.iter().map(|r| r.get::<_, &str>(0)))
     }
 
@@ -233,6 +246,10 @@ struct PgLease {
     token: uuid::Uuid,
     version: i64,
     created: bool,
+    /// The session row's creation time, and its messages when the lease
+    /// was taken: where a commit's messages go in the cache.
+    born: i64,
+    count: usize,
     /// Stops the renewer.
     done: CancellationToken,
 }
@@ -276,6 +293,9 @@ impl LeaseHolder for PgLease {
                 return Err(StoreError::LeaseLost);
             }
             debug!(session_id = %self.id, appended = n, "session committed");
+            if let Some(cache) = &self.store.cache {
+                cache.append(&self.id, self.born, self.count, appended);
+            }
             Ok(())
         })
     }
@@ -294,6 +314,9 @@ impl LeaseHolder for PgLease {
             };
             let stmt = client.prepare_cached(sql).await.map_err(db("release"))?;
             client.execute(&stmt, &[&self.id, &self.token]).await.map_err(db("release"))?;
+            if let Some(cache) = self.store.cache.as_ref().filter(|_| self.created) {
+                cache.forget(&self.id);
+            }
             Ok(())
         })
     }
@@ -310,24 +333,33 @@ impl SessionStore for PostgresStore {
         Box::pin(async move {
             let token = uuid::Uuid::new_v4();
             let client = self.pool.get().await.map_err(pool_error("acquire"))?;
-            let (session, version) = if create {
+            let (session, version, born) = if create {
                 let stmt = client
                     .prepare_cached(
                         "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires, owner)
                          VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond', $5)
-                         ON CONFLICT (id) DO NOTHING",
+                         ON CONFLICT (id) DO NOTHING
+                         RETURNING (extract(epoch FROM created_at) * 1000000)::bigint",
                     )
                     .await
                     .map_err(db("acquire"))?;
                 let inserted = client
-                    .execute(&stmt, &[&session_id, &agent, &token, &self.ttl_ms(), &owner.unwrap_or_default()])
+                    .query_opt(&stmt, &[&session_id, &agent, &token, &self.ttl_ms(), &owner.unwrap_or_default()])
                     .await
                     .map_err(db("acquire"))?;
-                if inserted == 0 {
-                    return Err(StoreError::Busy);
+                let Some(row) = inserted else { return Err(StoreError::Busy) };
+                let born: i64 = row.try_get(0).map_err(db("acquire"))?;
+                if let Some(cache) = &self.cache {
+                    cache.put(session_id, born, Arc::default());
                 }
-                (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0)
+                (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0, born)
             } else {
+                // What this replica knows of the conversation: the statement
+                // reads only the messages after it, unless the session is
+                // another one under the same id (created at another time).
+                let known = self.cache.as_ref().and_then(|c| c.get(session_id));
+                let known_born = known.as_ref().map(|k| k.born);
+                let known_count = known.as_ref().map_or(0, |k| k.messages.len() as i64);
                 // One round trip: the lease and, read in the same statement,
                 // the history it continues.
                 let stmt = client
@@ -339,19 +371,24 @@ impl SessionStore for PostgresStore {
                              WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
                                AND ($5::text IS NULL OR owner = $5)
                                AND (lease_token IS NULL OR lease_expires < now())
-                             RETURNING agent, version, message_count
+                             RETURNING agent, version, message_count,
+                                       (extract(epoch FROM created_at) * 1000000)::bigint AS born
+                         ), known AS (
+                             SELECT CASE WHEN born = $6::bigint AND $7::bigint <= message_count
+                                         THEN $7::bigint ELSE 0 END AS start
+                             FROM lease
                          )
-                         SELECT agent, version, message_count,
+                         SELECT agent, version, message_count, born, start,
                                 ARRAY(SELECT message FROM lattice_messages
-                                      WHERE session_id = $1 AND seq < lease.message_count ORDER BY seq)
-                         FROM lease",
+                                      WHERE session_id = $1 AND seq >= known.start AND seq < lease.message_count
+                                      ORDER BY seq)
+                         FROM lease, known",
                     )
                     .await
                     .map_err(db("acquire"))?;
-                let row = client
-                    .query_opt(&stmt, &[&session_id, &token, &self.ttl_ms(), &self.idle_s(), &owner])
-                    .await
-                    .map_err(db("acquire"))?;
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+                    [&session_id, &token, &self.ttl_ms(), &self.idle_s(), &owner, &known_born, &known_count];
+                let row = client.query_opt(&stmt, &params).await.map_err(db("acquire"))?;
                 let Some(row) = row else {
                     let exists = client
                         .prepare_cached(
@@ -366,18 +403,19 @@ impl SessionStore for PostgresStore {
                         .map_err(db("acquire"))?;
                     return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
                 };
-                let (agent, version, count): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
-                let stored: Vec<&str> = row.try_get(3).map_err(db("acquire"))?;
-                let messages = if stored.len() as i64 == count {
+                let (agent, version, count, born, start): (String, i64, i64, i64, i64) =
+                    (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+                let stored: Vec<&str> = row.try_get(5).map_err(db("acquire"))?;
+                let fresh = if stored.len() as i64 == count - start {
                     parse(session_id, stored.into_iter())
                 } else {
                     // The statement waited for the row while the previous
                     // query's commit landed: it took the lease after that
                     // commit, but read the messages as they were before it.
                     // A statement of its own reads them as committed.
-                    Self::messages(&client, session_id, count).await
+                    Self::messages(&client, session_id, start, count).await
                 };
-                let messages = match messages {
+                let fresh = match fresh {
                     Ok(m) => m,
                     Err(e) => {
                         // Give the lease back before failing.
@@ -387,13 +425,44 @@ impl SessionStore for PostgresStore {
                         return Err(e);
                     }
                 };
-                (StoredSession { agent, messages }, version)
+                let messages = match known.filter(|_| start > 0) {
+                    // The known messages, and the rest as read.
+                    Some(known) => {
+                        let mut messages = Vec::with_capacity(known.messages.len() + fresh.len());
+                        messages.extend_from_slice(&known.messages);
+                        let at = known.messages.len();
+                        // Released before the cache extends its copy, which
+                        // then has no other holder and grows in place.
+                        drop(known);
+                        if let Some(cache) = &self.cache {
+                            cache.append(session_id, born, at, fresh.clone());
+                        }
+                        messages.extend(fresh);
+                        messages
+                    }
+                    None => {
+                        if let Some(cache) = &self.cache {
+                            cache.put(session_id, born, Arc::new(fresh.clone()));
+                        }
+                        fresh
+                    }
+                };
+                (StoredSession { agent, messages }, version, born)
             };
+            let count = session.messages.len();
             let (lost_tx, lost) = watch::channel(false);
             let done = CancellationToken::new();
             self.renew(session_id.to_owned(), token, lost_tx, done.clone());
-            let holder =
-                PgLease { store: self.clone(), id: session_id.to_owned(), token, version, created: create, done };
+            let holder = PgLease {
+                store: self.clone(),
+                id: session_id.to_owned(),
+                token,
+                version,
+                created: create,
+                born,
+                count,
+                done,
+            };
             Ok(Lease::new(session, create, Arc::new(holder), lost))
         })
     }
@@ -467,6 +536,9 @@ impl SessionStore for PostgresStore {
                 .await
                 .map_err(db("delete"))?;
             if client.execute(&stmt, &[&session_id, &owner]).await.map_err(db("delete"))? == 1 {
+                if let Some(cache) = &self.cache {
+                    cache.forget(session_id);
+                }
                 return Ok(());
             }
             let found = client
