@@ -272,17 +272,30 @@ async fn stores(queries: usize) {
 }
 
 /// One PostgreSQL commit (two new messages, lease released) for
-/// conversations of 10, 100 and 1,000 turns, and the acquire before it
-/// (which reads the whole history).
+/// conversations of 10, 100 and 1,000 turns, and the acquire before it:
+/// on a replica that keeps the conversations it knows (reading only what
+/// was committed since), and on one that keeps none (reading them whole).
 async fn commits() {
     let url = Cluster::shared().await.database().await;
-    let settings = PostgresSettings { url_env: "-".into(), url, pool_size: 4, exit_if_unreachable: true };
-    let store = PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap();
+    let replica = |cache: usize| {
+        let settings = PostgresSettings {
+            url_env: "-".into(),
+            url: url.clone(),
+            pool_size: 4,
+            exit_if_unreachable: true,
+            history_cache_bytes: cache,
+        };
+        PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap()
+    };
+    let (store, uncached) = (replica(1 << 26), replica(0));
     store.migrate().await.unwrap();
     let turn = [Message::user_text("a question of some length"), Message::user_text("an answer of some length too")];
     println!();
     println!("postgres commit (2 messages) by conversation length, 200 commits per row");
-    println!("{:>7} {:>14} {:>14} {:>14}", "turns", "commit p50", "commit p99", "acquire p50");
+    println!(
+        "{:>7} {:>14} {:>14} {:>14} {:>20}",
+        "turns", "commit p50", "commit p99", "acquire p50", "acquire p50, no cache"
+    );
     let mut base = None;
     for turns in [10usize, 100, 1000] {
         // The history in one commit, so that every row starts from the same
@@ -290,7 +303,7 @@ async fn commits() {
         let id = format!("bench-{turns}");
         let history: Vec<Message> = turn.iter().cycle().take(2 * turns).cloned().collect();
         store.acquire(&id, "a", true).await.unwrap().commit(history.clone()).await.unwrap();
-        let (mut commit, mut acquire) = (Vec::new(), Vec::new());
+        let (mut commit, mut acquire, mut whole) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..200 {
             let started = Instant::now();
             let mut lease = store.acquire(&id, "a", false).await.unwrap();
@@ -301,16 +314,22 @@ async fn commits() {
             lease.commit(turn.to_vec()).await.unwrap();
             commit.push(started.elapsed());
             drop(history);
+            let started = Instant::now();
+            let lease = uncached.acquire(&id, "a", false).await.unwrap();
+            whole.push(started.elapsed());
+            lease.release().await;
         }
         commit.sort();
         acquire.sort();
+        whole.sort();
         let p50 = percentile(&commit, 0.5);
         let ratio = p50.as_secs_f64() / *base.get_or_insert(p50.as_secs_f64());
         println!(
-            "{turns:>7} {:>14.2?} {:>14.2?} {:>14.2?}   commit p50 = {ratio:.2}x the 10-turn one",
+            "{turns:>7} {:>14.2?} {:>14.2?} {:>14.2?} {:>20.2?}   commit p50 = {ratio:.2}x the 10-turn one",
             p50,
             percentile(&commit, 0.99),
-            percentile(&acquire, 0.5)
+            percentile(&acquire, 0.5),
+            percentile(&whole, 0.5)
         );
     }
 }
