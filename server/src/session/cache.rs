@@ -71,15 +71,18 @@ impl HistoryCache {
         Some(Known { born: entry.born, messages: entry.messages.clone() })
     }
 
-    /// Records that `id` (created at `born`) begins with `messages`.
-    pub(super) fn put(&self, id: &str, born: i64, messages: Arc<Vec<Message>>) {
-        let bytes = size(&messages);
+    /// Records that `id` (created at `born`) begins with `messages` (a
+    /// copy is kept, unless they are larger than the whole budget).
+    pub(super) fn put(&self, id: &str, born: i64, messages: &[Message]) {
+        let bytes = size(messages);
+        if bytes > self.budget {
+            self.forget(id);
+            return;
+        }
+        let messages = Arc::new(messages.to_vec());
         let mut state = self.state();
         if let Some(old) = state.entries.remove(id) {
             state.bytes -= old.bytes;
-        }
-        if bytes > self.budget {
-            return;
         }
         state.clock += 1;
         let used = state.clock;
@@ -166,7 +169,7 @@ mod tests {
     #[test]
     fn appends_extend_only_the_same_incarnation_where_it_ends() {
         let cache = HistoryCache::new(1 << 20);
-        cache.put("s", 7, Arc::new(history(2, 10)));
+        cache.put("s", 7, &history(2, 10));
         cache.append("s", 7, 2, history(1, 10));
         assert_eq!(cache.get("s").map(|k| k.messages.len()), Some(3));
         cache.append("s", 7, 2, history(1, 10)); // not where it ends
@@ -187,10 +190,10 @@ mod tests {
         let one = 100 + OVERHEAD;
         let cache = HistoryCache::new(3 * 3 * one + one / 2);
         for id in ["a", "b", "c"] {
-            cache.put(id, 1, Arc::new(history(3, 100)));
+            cache.put(id, 1, &history(3, 100));
         }
         assert!(cache.get("a").is_some()); // a is now the most recent
-        cache.put("d", 1, Arc::new(history(3, 100)));
+        cache.put("d", 1, &history(3, 100));
         // Down to seven eighths: b, then c, the least recently used.
         assert!(cache.get("b").is_none() && cache.get("c").is_none());
         assert!(cache.get("a").is_some() && cache.get("d").is_some());
@@ -198,8 +201,12 @@ mod tests {
         cache.append("d", 1, 3, history(2, 100));
         assert_eq!(cache.get("d").map(|k| k.messages.len()), Some(5));
         assert_eq!(cache.bytes(), 8 * one);
-        cache.put("huge", 1, Arc::new(history(10, 100)));
+        cache.put("huge", 1, &history(10, 100));
         assert!(cache.get("huge").is_none(), "larger than the whole budget");
         assert_eq!(cache.bytes(), 8 * one);
+        // Grown past the budget, a conversation is no longer held.
+        cache.put("d", 1, &history(10, 100));
+        assert!(cache.get("d").is_none());
+        assert_eq!(cache.bytes(), 3 * one);
     }
 }

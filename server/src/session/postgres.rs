@@ -350,7 +350,7 @@ impl SessionStore for PostgresStore {
                 let Some(row) = inserted else { return Err(StoreError::Busy) };
                 let born: i64 = row.try_get(0).map_err(db("acquire"))?;
                 if let Some(cache) = &self.cache {
-                    cache.put(session_id, born, Arc::default());
+                    cache.put(session_id, born, &[]);
                 }
                 (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0, born)
             } else {
@@ -442,7 +442,7 @@ impl SessionStore for PostgresStore {
                     }
                     None => {
                         if let Some(cache) = &self.cache {
-                            cache.put(session_id, born, Arc::new(fresh.clone()));
+                            cache.put(session_id, born, &fresh);
                         }
                         fresh
                     }
