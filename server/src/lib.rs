@@ -129,6 +129,7 @@ pub async fn run(
         StoreSettings::Memory => (Arc::new(MemoryStore::new(sessions.max_sessions, sessions.idle_ttl)), None),
         StoreSettings::Postgres(pg) => {
             let store = PostgresStore::new(pg, sessions.lease_ttl, sessions.idle_ttl).map_err(ServeError::Store)?;
+            store.observe(&metrics);
             // Migrated before serving; when the database can't be reached,
             // either refuse to start or serve NOT_SERVING until it can.
             if let Err(e) = store.migrate().await {

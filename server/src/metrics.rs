@@ -73,6 +73,12 @@ pub enum Family {
     TraceEventsDropped,
     /// Model tokens, by agent, provider and direction (input, output).
     ModelTokens,
+    /// Session histories read from PostgreSQL when a query took its lease,
+    /// by how much was read (only the messages new to this replica, or
+    /// the whole conversation).
+    SessionHistoryReads,
+    /// Bytes of conversations this replica keeps (PostgreSQL store).
+    SessionHistoryCacheBytes,
 }
 
 impl Family {
@@ -88,6 +94,8 @@ impl Family {
             Family::HookReadyAddresses => "lattice_hook_ready_addresses",
             Family::TraceEventsDropped => "lattice_trace_events_dropped_total",
             Family::ModelTokens => "lattice_model_tokens_total",
+            Family::SessionHistoryReads => "lattice_session_history_reads_total",
+            Family::SessionHistoryCacheBytes => "lattice_session_history_cache_bytes",
         }
     }
 
@@ -111,6 +119,12 @@ impl Family {
                 "Trace events not written: the trace writer's queue was full (a stalled disk)."
             }
             Family::ModelTokens => "Model tokens by direction: input (the requests) and output (the replies).",
+            Family::SessionHistoryReads => {
+                "Session histories read as a query took its lease: new_only (this replica knew the rest) or whole."
+            }
+            Family::SessionHistoryCacheBytes => {
+                "Conversations this replica keeps (sessions.history_cache_mib), in bytes of text and overhead."
+            }
         }
     }
 }
@@ -138,12 +152,23 @@ impl Family {
     fn kind(self) -> MetricType {
         match self {
             Family::QueryDuration | Family::HookCallDuration | Family::ModelRequestDuration => MetricType::Histogram,
-            Family::HookReadyAddresses => MetricType::Gauge,
+            Family::HookReadyAddresses | Family::SessionHistoryCacheBytes => MetricType::Gauge,
             _ => MetricType::Counter,
         }
     }
 
-    const ALL: [Family; 10] = [
+    /// Whether its values are owned elsewhere and read at each scrape.
+    fn observed(self) -> bool {
+        matches!(
+            self,
+            Family::HookReadyAddresses
+                | Family::TraceEventsDropped
+                | Family::SessionHistoryReads
+                | Family::SessionHistoryCacheBytes
+        )
+    }
+
+    const ALL: [Family; 12] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -154,6 +179,8 @@ impl Family {
         Family::HookReadyAddresses,
         Family::TraceEventsDropped,
         Family::ModelTokens,
+        Family::SessionHistoryReads,
+        Family::SessionHistoryCacheBytes,
     ];
 }
 
@@ -249,7 +276,7 @@ impl Default for Metrics {
         let (mut counters, mut histograms) = (BTreeMap::new(), BTreeMap::new());
         for family in Family::ALL {
             match family.kind() {
-                MetricType::Counter if family != Family::TraceEventsDropped => {
+                MetricType::Counter if !family.observed() => {
                     counters.entry(family).or_insert_with(|| {
                         let series = Counters::default();
                         registry.register(family.base_name(), family.help_text(), series.clone());

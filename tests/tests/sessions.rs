@@ -564,3 +564,33 @@ async fn a_history_cache_is_refused_for_the_memory_store() {
     assert!(err.contains("sessions.history_cache_mib: only the postgres store keeps a cache"), "{err}");
     assert!(err.contains("test.toml:3"), "{err}");
 }
+
+/// `/metrics` counts how each lease read its history (only the messages
+/// new to the replica, or the whole conversation) and shows what the
+/// replica keeps; a replica that keeps none reads every history whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_count_history_reads_by_how_much_was_read() {
+    let url = Cluster::shared().await.database().await;
+    let env = [(URL_ENV, url.as_str())];
+    let kept = Lattice::start_with_env(&config(0, ""), &env).await;
+    let none = Lattice::start_with_env(&config(0, "history_cache_mib = 0"), &env).await;
+    let sid = kept.query("a", "one").await.session_id();
+    kept.query_with(continue_(&sid, "two")).await.ok();
+    none.query_with(continue_(&sid, "three")).await.ok();
+    // Knows four of the six messages: reads the other two.
+    assert_eq!(kept.query_with(continue_(&sid, "four")).await.ok().text, "seen 7");
+
+    let sample = |text: &str, series: &str| -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    };
+    let reads = |how: &str| format!("lattice_session_history_reads_total{{read=\"{how}\"}}");
+    let text = kept.metrics().await;
+    assert_eq!(sample(&text, &reads("new_only")), Some(2.0), "{text}");
+    assert_eq!(sample(&text, &reads("whole")), Some(0.0), "{text}");
+    let held = sample(&text, "lattice_session_history_cache_bytes").unwrap_or_default();
+    assert!(held > 0.0, "{text}");
+    let text = none.metrics().await;
+    assert_eq!(sample(&text, &reads("new_only")), Some(0.0), "{text}");
+    assert_eq!(sample(&text, &reads("whole")), Some(1.0), "{text}");
+    assert_eq!(sample(&text, "lattice_session_history_cache_bytes"), None, "{text}");
+}

@@ -10,7 +10,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicUsize, Ordering},
+    },
 };
 
 use crate::domain::Message;
@@ -21,6 +24,8 @@ pub(super) struct HistoryCache {
     state: Mutex<State>,
     /// The most bytes held at once (see [`size`]).
     budget: usize,
+    /// The bytes held, for the metrics (`State::bytes` as last changed).
+    held: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, Default)]
@@ -54,11 +59,16 @@ pub(super) struct Known {
 impl HistoryCache {
     /// A cache of at most `budget` bytes of messages.
     pub(super) fn new(budget: usize) -> Self {
-        Self { state: Mutex::new(State::default()), budget }
+        Self { state: Mutex::new(State::default()), budget, held: Arc::default() }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The bytes held, kept current for whoever reads it.
+    pub(super) fn held(&self) -> Arc<AtomicUsize> {
+        self.held.clone()
     }
 
     /// What is held of `id`, if anything.
@@ -81,14 +91,13 @@ impl HistoryCache {
         }
         let messages = Arc::new(messages.to_vec());
         let mut state = self.state();
-        if let Some(old) = state.entries.remove(id) {
-            state.bytes -= old.bytes;
-        }
+        self.forget_locked(&mut state, id);
         state.clock += 1;
         let used = state.clock;
         state.bytes += bytes;
         state.entries.insert(id.to_owned(), Entry { born, messages, bytes, used });
         self.evict(&mut state);
+        self.held.store(state.bytes, Ordering::Relaxed);
     }
 
     /// Records that `id`'s messages from index `at` on are `appended`, if
@@ -107,6 +116,7 @@ impl HistoryCache {
             self.forget_locked(&mut state, id);
         }
         self.evict(&mut state);
+        self.held.store(state.bytes, Ordering::Relaxed);
     }
 
     /// Forgets `id`.
@@ -119,6 +129,7 @@ impl HistoryCache {
         if let Some(old) = state.entries.remove(id) {
             state.bytes -= old.bytes;
         }
+        self.held.store(state.bytes, Ordering::Relaxed);
     }
 
     /// Evicts the least recently used entries until the cache is within
@@ -139,10 +150,12 @@ impl HistoryCache {
         }
     }
 
-    /// The bytes held (for tests).
+    /// The bytes held (for tests), checked against what the metrics read.
     #[cfg(test)]
     fn bytes(&self) -> usize {
-        self.state().bytes
+        let bytes = self.state().bytes;
+        assert_eq!(self.held.load(Ordering::Relaxed), bytes);
+        bytes
     }
 }
 

@@ -20,7 +20,13 @@
 //! Errors never carry the connection string: a failure is "the session
 //! store (postgres) is unavailable", logged with its SQLSTATE or kind.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::watch;
@@ -31,7 +37,11 @@ use tracing::{debug, info, warn};
 use super::{
     Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache,
 };
-use crate::{config::PostgresSettings, domain::Message};
+use crate::{
+    config::PostgresSettings,
+    domain::Message,
+    metrics::{Family, Metrics},
+};
 
 /// How long a pool waits for a connection, or to make one, before the
 /// operation fails as unavailable.
@@ -75,6 +85,10 @@ pub struct PostgresStore {
     /// The conversations this replica knows, if kept: taking a lease then
     /// reads only the messages committed since.
     cache: Option<Arc<HistoryCache>>,
+    /// Leases taken on a conversation this replica knew (only the new
+    /// messages read), and on one read whole.
+    reads_new_only: Arc<AtomicUsize>,
+    reads_whole: Arc<AtomicUsize>,
 }
 
 /// Logs a database error by kind (never its text, which may quote values)
@@ -138,7 +152,17 @@ impl PostgresStore {
             .map_err(|e| format!("cannot build the connection pool: {e}"))?;
         let cache =
             (settings.history_cache_bytes > 0).then(|| Arc::new(HistoryCache::new(settings.history_cache_bytes)));
-        Ok(Self { pool, lease_ttl, idle_ttl, cache })
+        Ok(Self { pool, lease_ttl, idle_ttl, cache, reads_new_only: Arc::default(), reads_whole: Arc::default() })
+    }
+
+    /// Shows the store's reads and its cache in `metrics`.
+    pub fn observe(&self, metrics: &Metrics) {
+        let read = |how: &str| vec![("read", how.to_owned())];
+        metrics.gauge(Family::SessionHistoryReads, read("new_only"), self.reads_new_only.clone());
+        metrics.gauge(Family::SessionHistoryReads, read("whole"), self.reads_whole.clone());
+        if let Some(cache) = &self.cache {
+            metrics.gauge(Family::SessionHistoryCacheBytes, Vec::new(), cache.held());
+        }
     }
 
     /// Brings the schema up to date (idempotent; safe from many replicas).
@@ -428,6 +452,7 @@ impl SessionStore for PostgresStore {
                 let messages = match known.filter(|_| start > 0) {
                     // The known messages, and the rest as read.
                     Some(known) => {
+                        self.reads_new_only.fetch_add(1, Ordering::Relaxed);
                         let mut messages = Vec::with_capacity(known.messages.len() + fresh.len());
                         messages.extend_from_slice(&known.messages);
                         let at = known.messages.len();
@@ -441,6 +466,7 @@ impl SessionStore for PostgresStore {
                         messages
                     }
                     None => {
+                        self.reads_whole.fetch_add(1, Ordering::Relaxed);
                         if let Some(cache) = &self.cache {
                             cache.put(session_id, born, &fresh);
                         }
