@@ -182,7 +182,7 @@ impl PostgresStore {
             .query_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[])
             .await
             .map_err(db("migrate"))?;
-        let applied: i32 = row.get(0);
+        let applied: i32 = row.try_get(0).map_err(db("migrate"))?;
         for (i, step) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
             let version = i as i32 + 1;
             tx.batch_execute(step).await.map_err(db("migrate"))?;
@@ -216,7 +216,8 @@ impl PostgresStore {
             .await
             .map_err(db("read"))?;
         let rows = client.query(&stmt, &[&session_id, &from, &count]).await.map_err(db("read"))?;
-        parse(session_id, rows.iter().map(|r| r.get::<_, &str>(0)))
+        let stored: Vec<&str> = rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(db("read"))?;
+        parse(session_id, stored.into_iter())
     }
 
     /// Keeps the lease alive while its query runs; says so on `lost` if it
@@ -312,7 +313,7 @@ impl LeaseHolder for PgLease {
                 .query_one(&stmt, &[&self.id, &self.token, &self.version, &n, &rows])
                 .await
                 .map_err(db("commit"))?;
-            let committed: i64 = row.get(0);
+            let committed: i64 = row.try_get(0).map_err(db("commit"))?;
             if committed != 1 {
                 return Err(StoreError::LeaseLost);
             }
@@ -427,8 +428,9 @@ impl SessionStore for PostgresStore {
                         .map_err(db("acquire"))?;
                     return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
                 };
-                let (agent, version, count, born, start): (String, i64, i64, i64, i64) =
-                    (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+                let column = |i: usize| row.try_get::<_, i64>(i).map_err(db("acquire"));
+                let agent: String = row.try_get(0).map_err(db("acquire"))?;
+                let (version, count, born, start) = (column(1)?, column(2)?, column(3)?, column(4)?);
                 let stored: Vec<&str> = row.try_get(5).map_err(db("acquire"))?;
                 let fresh = if stored.len() as i64 == count - start {
                     parse(session_id, stored.into_iter())
