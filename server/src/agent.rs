@@ -416,6 +416,7 @@ impl Runtime {
     ) -> Result<RunOutcome, AgentError> {
         let scope = &ctx.scope;
         let tools = agent.tools().ok_or_else(|| AgentError::NotReady(agent.def.name.clone()))?;
+        let history = messages.len();
         messages.push(Message::user_text(prompt));
         let mut usage = Usage::default();
         let mut last_text = String::new();
@@ -431,7 +432,7 @@ impl Runtime {
                     tools: tools.specs.clone(),
                 };
                 let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
-                self.tracer.emit(scope, TraceEvent::ModelRequest { turn, request: &request }).await;
+                self.tracer.emit_request(scope, turn, &request, messages, history).await;
                 if ctx.include_model_requests {
                     ctx.send(Event::ModelRequest { turn, request: &request }).await?;
                 }

@@ -221,9 +221,13 @@ impl AgentSvc {
                 Ok((mut out, result)) => {
                     // The messages this query appended, moved to the store.
                     let mut appended = std::mem::take(&mut out.messages);
+                    let conversation = appended.len();
                     appended.drain(..stored);
                     match lease.commit(appended).await {
-                        Ok(()) => Ok((out, result)),
+                        Ok(()) => {
+                            runtime.tracer().committed(&scope, conversation);
+                            Ok((out, result))
+                        }
                         Err(e) => Err(AgentError::Store(e)),
                     }
                 }

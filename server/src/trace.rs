@@ -12,17 +12,34 @@
 //! (`lattice_trace_events_dropped_total`), never waited for. A query's end
 //! waits for its lines to be written (so that a client that saw the result
 //! finds them), at most [`FLUSH_WAIT`], and not at all while the writer is
-//! stalled. A session's file is rotated to `SESSION.jsonl.1` when it would
-//! pass `server.trace_max_file_bytes`, deleted with its session, and files
+//! stalled. A session's file is rotated to `SESSION.jsonl.1` before a whole
+//! request that would take it past `server.trace_max_file_bytes` (and before
+//! any line that would take it past twice that), deleted with its session, and files
 //! untouched for `server.trace_max_age_s` are removed. A file removed or
 //! replaced is closed on a second thread, where its blocks are freed (tens
 //! of milliseconds for a large one), so that no flush waits for that.
+//!
+//! A session's requests share most of their messages (each continues the
+//! conversation of the one before), so a `model_request` line records only
+//! what its request does not share with the previous `model_request` line
+//! of the same file: `messages_kept` (how many of that line's messages come
+//! first) and `messages_added` (the rest, in full). The first request of
+//! each file is whole (`messages`), so every file reads on its own. What
+//! the two lines share is known without reading them: the messages a
+//! request shares with its query's conversation, and how much of that
+//! conversation is committed (and so begins every later query's). A
+//! request a hook reshaped shares only what is still equal, and is whole
+//! if nothing is. Whatever breaks a file's run of requests (a line that
+//! could not be queued or written, a rotation between two requests) makes
+//! the next request whole; a line that would continue a request the file
+//! does not hold is dropped and counted, never written.
 
 use std::{
+    collections::{HashMap, HashSet},
     io::Write as _,
     path::{Path, PathBuf},
     sync::{
-        Arc,
+        Arc, Mutex, PoisonError,
         atomic::{AtomicBool, AtomicUsize, Ordering},
         mpsc,
     },
@@ -32,18 +49,18 @@ use std::{
 use serde::Serialize;
 use tracing::{debug, trace, warn};
 
-use crate::domain::{Block, ModelRequest, Scope, StopReason, ToolResult, Usage};
+use crate::domain::{Block, Message, ModelRequest, Scope, StopReason, ToolResult, ToolSpec, Usage};
 
 /// One trace event.
 #[derive(Debug, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum TraceEvent<'a> {
-    /// A model request as sent.
+    /// A model request as sent (see [`Tracer::emit_request`]).
     ModelRequest {
         /// 1-based turn.
         turn: u32,
-        /// The request.
-        request: &'a ModelRequest<'a>,
+        /// The request, whole or as it continues the file's previous one.
+        request: RequestRecord<'a>,
     },
     /// The model's reply.
     AssistantMessage {
@@ -108,6 +125,120 @@ pub enum TraceEvent<'a> {
     },
 }
 
+/// How a `model_request` line records its request: whole (what
+/// `From<&ModelRequest>` makes) or, made by [`Tracer::emit_request`] only,
+/// as it continues the file's previous request.
+#[derive(Debug, Serialize)]
+pub struct RequestRecord<'a>(Record<'a>);
+
+impl<'a> From<&'a ModelRequest<'a>> for RequestRecord<'a> {
+    fn from(request: &'a ModelRequest<'a>) -> Self {
+        Self(Record::Whole(request))
+    }
+}
+
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Record<'a> {
+    /// All of it: `system`, `messages`, `tools`.
+    Whole(&'a ModelRequest<'a>),
+    /// Its messages after the first `messages_kept`, which are those of the
+    /// previous `model_request` line of the same file.
+    Continued { system: &'a str, messages_kept: usize, messages_added: &'a [Message], tools: &'a [ToolSpec] },
+}
+
+/// What a line is to the run of requests in its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LineKind {
+    /// Not a model request.
+    Other,
+    /// A whole model request: a file may start with it.
+    Whole,
+    /// A request that continues the file's previous one.
+    Continued,
+}
+
+/// What the last `model_request` line queued for a session holds of its
+/// query's conversation: the next request's line records only what follows
+/// the part the two share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Chain {
+    /// The query whose request it was.
+    query_id: String,
+    /// The line's first `sent` messages are the conversation's first.
+    sent: usize,
+    /// The conversation's first `committed` messages are committed, so
+    /// every later query's conversation begins with them.
+    committed: usize,
+}
+
+/// Sessions whose chain is known at most; past it they all start over
+/// (each session's next request is recorded whole).
+const CHAINS_KEPT: usize = 65_536;
+
+/// The chains of the sessions this replica traces, shared by the query
+/// path (which extends them) and the writer (which ends one when its file
+/// could no longer continue it).
+#[derive(Debug, Default)]
+struct Chains(Mutex<HashMap<String, Chain>>);
+
+impl Chains {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Chain>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records that `query` sends a request whose first `shared` messages
+    /// are its conversation's (of which the first `history` are committed
+    /// history); returns how many of them the session's previous request
+    /// line holds first, 0 for a whole line.
+    fn extend(&self, session: &str, query: &str, shared: usize, history: usize) -> usize {
+        let mut chains = self.lock();
+        let (kept, committed) = match chains.get(session) {
+            Some(c) if c.query_id == query => (c.sent.min(shared), c.committed),
+            // Another query's conversation: only the committed part is
+            // known to be this one's too.
+            Some(c) if c.committed <= history => (c.sent.min(c.committed).min(shared), history),
+            _ => (0, history),
+        };
+        if chains.len() >= CHAINS_KEPT && !chains.contains_key(session) {
+            chains.clear();
+        }
+        match chains.get_mut(session) {
+            Some(c) => {
+                if c.query_id != query {
+                    c.query_id = query.to_owned();
+                }
+                c.sent = shared;
+                c.committed = committed;
+            }
+            None => {
+                chains.insert(session.to_owned(), Chain { query_id: query.to_owned(), sent: shared, committed });
+            }
+        }
+        kept
+    }
+
+    /// `query` committed the first `len` messages of its conversation.
+    fn committed(&self, session: &str, query: &str, len: usize) {
+        if let Some(c) = self.lock().get_mut(session).filter(|c| c.query_id == query) {
+            c.committed = len;
+        }
+    }
+
+    /// The session's next request is recorded whole.
+    fn end(&self, session: &str) {
+        self.lock().remove(session);
+    }
+}
+
+/// How many of `sent`'s first messages are `conversation`'s first.
+fn shared_prefix(sent: &[Message], conversation: &[Message]) -> usize {
+    if std::ptr::eq(sent.as_ptr(), conversation.as_ptr()) {
+        return sent.len().min(conversation.len());
+    }
+    sent.iter().zip(conversation).take_while(|(a, b)| a == b).count()
+}
+
 impl TraceEvent<'_> {
     fn kind(&self) -> &'static str {
         match self {
@@ -156,6 +287,7 @@ enum Op {
     Line {
         session: String,
         line: String,
+        kind: LineKind,
     },
     Delete(String),
     Flush(tokio::sync::oneshot::Sender<()>),
@@ -168,6 +300,8 @@ struct Writer {
     /// Set when a flush was not answered in time; cleared when the writer
     /// finishes something.
     stalled: Arc<AtomicBool>,
+    /// Each session's run of requests in its file.
+    chains: Arc<Chains>,
 }
 
 /// The trace sink.
@@ -200,11 +334,12 @@ impl Tracer {
             )
         })?;
         let (tx, rx) = mpsc::sync_channel(settings.queue_events.max(1));
-        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default() });
-        let stalled = writer.stalled.clone();
+        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default(), chains: Arc::default() });
+        let shared =
+            Shared { stalled: writer.stalled.clone(), dropped: writer.dropped.clone(), chains: writer.chains.clone() };
         std::thread::Builder::new()
             .name("lattice-trace".into())
-            .spawn(move || write_loop(settings, rx, stalled))
+            .spawn(move || write_loop(settings, rx, shared))
             .map_err(|e| format!("cannot start the trace writer: {e}"))?;
         Ok(Self { writer: Some(writer) })
     }
@@ -217,8 +352,56 @@ impl Tracer {
     /// Deletes a session's trace files, if this replica wrote any.
     pub async fn delete(&self, session_id: &str) {
         if let Some(w) = &self.writer {
+            w.chains.end(session_id);
             w.send(Op::Delete(session_id.to_owned()));
         }
+    }
+
+    /// The query of `scope` committed the first `len` messages of its
+    /// conversation: the session's next query's first request continues
+    /// this one's last.
+    pub fn committed(&self, scope: &Scope, len: usize) {
+        if let Some(w) = &self.writer {
+            w.chains.committed(&scope.session_id, &scope.query_id, len);
+        }
+    }
+
+    /// Records a model request as sent, after the hooks: `conversation` is
+    /// the query's conversation as it stands (the request's messages before
+    /// the hooks), of which the first `history` are the session's committed
+    /// history. In a trace file, the line holds only the messages after
+    /// those it shares with the file's previous request.
+    pub async fn emit_request(
+        &self,
+        scope: &Scope,
+        turn: u32,
+        request: &ModelRequest<'_>,
+        conversation: &[Message],
+        history: usize,
+    ) {
+        let kept = match &self.writer {
+            Some(w) => w.chains.extend(
+                &scope.session_id,
+                &scope.query_id,
+                shared_prefix(&request.messages, conversation),
+                history,
+            ),
+            // Only the log takes it: whole.
+            None => 0,
+        };
+        let (record, kind) = match request.messages.get(kept..) {
+            Some(added) if kept > 0 => (
+                RequestRecord(Record::Continued {
+                    system: &request.system,
+                    messages_kept: kept,
+                    messages_added: added,
+                    tools: &request.tools,
+                }),
+                LineKind::Continued,
+            ),
+            _ => (RequestRecord::from(request), LineKind::Whole),
+        };
+        self.record(scope, TraceEvent::ModelRequest { turn, request: record }, kind).await;
     }
 
     /// Waits until every line queued so far is written: at most
@@ -238,9 +421,25 @@ impl Tracer {
         }
     }
 
-    /// Records one event. With no trace directory and the `lattice::trace`
-    /// log target off (the default), nothing is built at all.
+    /// Records one event (a model request goes through
+    /// [`Tracer::emit_request`]). With no trace directory and the
+    /// `lattice::trace` log target off (the default), nothing is built at
+    /// all.
     pub async fn emit(&self, scope: &Scope, event: TraceEvent<'_>) {
+        let kind = match event {
+            TraceEvent::ModelRequest { .. } => {
+                // Not one the session's chain knows of: the next starts over.
+                if let Some(w) = &self.writer {
+                    w.chains.end(&scope.session_id);
+                }
+                LineKind::Whole
+            }
+            _ => LineKind::Other,
+        };
+        self.record(scope, event, kind).await;
+    }
+
+    async fn record(&self, scope: &Scope, event: TraceEvent<'_>, kind: LineKind) {
         if self.writer.is_none() && !tracing::enabled!(target: "lattice::trace", tracing::Level::DEBUG) {
             return;
         }
@@ -266,7 +465,10 @@ impl Tracer {
         trace!(target: "lattice::trace", payload = %json, "trace payload");
         if let Some(w) = &self.writer {
             json.push('\n');
-            w.send(Op::Line { session: scope.session_id.clone(), line: json });
+            if !w.send(Op::Line { session: scope.session_id.clone(), line: json, kind }) && kind != LineKind::Other {
+                // The file will not hold this request: the next is whole.
+                w.chains.end(&scope.session_id);
+            }
         }
     }
 }
@@ -288,22 +490,63 @@ impl Writer {
     }
 }
 
+/// What the writer shares with the tracers.
+struct Shared {
+    stalled: Arc<AtomicBool>,
+    dropped: Arc<AtomicUsize>,
+    chains: Arc<Chains>,
+}
+
 /// The writer thread: one op at a time, in order; ends when every sender
 /// is gone.
-fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, stalled: Arc<AtomicBool>) {
+fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, shared: Shared) {
     let reaper = Reaper::start();
     let mut swept = SystemTime::now();
+    // Sessions whose file does not hold the request their next continued
+    // line would continue: such lines are dropped until a whole one.
+    let mut broken: HashSet<String> = HashSet::new();
     while let Ok(op) = rx.recv() {
         match op {
-            Op::Line { session, line } => {
+            Op::Line { session, line, kind } => {
                 // Session ids are made by the service or validated by it
                 // (letters, digits, '-'); file names are built from them only.
                 let path = settings.dir.join(format!("{session}.jsonl"));
-                if let Err(e) = append(&path, &line, settings.max_file_bytes, &reaper) {
-                    warn!(path = %path.display(), error = %e, "cannot write trace file");
+                let written = if kind == LineKind::Continued && broken.contains(&session) {
+                    Ok(Appended::Orphan)
+                } else {
+                    append(&path, &line, kind, settings.max_file_bytes, &reaper)
+                };
+                match written {
+                    Ok(Appended::Written { size, chain_kept }) => {
+                        if kind == LineKind::Whole {
+                            broken.remove(&session);
+                        }
+                        if !chain_kept {
+                            broken.insert(session.clone());
+                            shared.chains.end(&session);
+                        } else if size >= settings.max_file_bytes {
+                            // Its next request is whole, and the file is
+                            // rotated before it.
+                            shared.chains.end(&session);
+                        }
+                    }
+                    Ok(Appended::Orphan) => {
+                        shared.dropped.fetch_add(1, Ordering::Relaxed);
+                        broken.insert(session.clone());
+                        shared.chains.end(&session);
+                    }
+                    Err(e) => {
+                        warn!(path = %path.display(), error = %e, "cannot write trace file");
+                        if kind != LineKind::Other {
+                            broken.insert(session.clone());
+                            shared.chains.end(&session);
+                        }
+                    }
                 }
             }
             Op::Delete(session) => {
+                broken.remove(&session);
+                shared.chains.end(&session);
                 for name in [format!("{session}.jsonl"), format!("{session}.jsonl.1")] {
                     let path = settings.dir.join(name);
                     match reaper.remove(&path) {
@@ -317,9 +560,12 @@ fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, stalled: Arc<Atom
                 let _ = done.send(());
             }
         }
-        stalled.store(false, Ordering::Relaxed);
+        shared.stalled.store(false, Ordering::Relaxed);
         if swept.elapsed().is_ok_and(|e| e >= SWEEP_EVERY) {
-            sweep(&settings.dir, settings.max_age, &reaper);
+            for session in sweep(&settings.dir, settings.max_age, &reaper) {
+                broken.remove(&session);
+                shared.chains.end(&session);
+            }
             swept = SystemTime::now();
         }
     }
@@ -378,31 +624,69 @@ impl Reaper {
     }
 }
 
-/// Appends one line (newline included), rotating the file first if it
-/// would pass `max` (the file the rotation replaces is freed by `reaper`).
-fn append(path: &Path, line: &str, max: u64, reaper: &Reaper) -> std::io::Result<()> {
-    let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-    if size > 0 && size + line.len() as u64 > max {
+/// What [`append`] did with a line.
+#[derive(Debug, PartialEq, Eq)]
+enum Appended {
+    /// Written; the file's size after it, and whether the file still holds
+    /// every request its next continued line may continue.
+    Written { size: u64, chain_kept: bool },
+    /// Not written: a continued request whose file does not hold the
+    /// request it continues.
+    Orphan,
+}
+
+/// Appends one line (newline included) to a session's file. A file that
+/// would pass `max` is rotated before a whole request, so that each file
+/// begins with one; before any other line only once it would pass twice
+/// `max`, and then the requests after it start over (a continued request
+/// is not written: its file would not hold the one it continues). The file
+/// a rotation replaces is freed by `reaper`.
+fn append(path: &Path, line: &str, kind: LineKind, max: u64, reaper: &Reaper) -> std::io::Result<Appended> {
+    let size = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
+        // Removed (swept, or its session deleted): nothing to continue.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && kind == LineKind::Continued => {
+            return Ok(Appended::Orphan);
+        }
+        Err(_) => 0,
+    };
+    let len = line.len() as u64;
+    let limit = if kind == LineKind::Whole { max } else { max.saturating_mul(2) };
+    let rotate = size > 0 && size + len > limit;
+    if rotate {
         let mut rotated = path.as_os_str().to_owned();
         rotated.push(".1");
         reaper.rename_over(path, Path::new(&rotated))?;
-    }
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-    f.write_all(line.as_bytes())
-}
-
-/// Removes trace files untouched for `max_age`.
-fn sweep(dir: &Path, max_age: Duration, reaper: &Reaper) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let is_trace = name.to_str().is_some_and(|n| n.ends_with(".jsonl") || n.ends_with(".jsonl.1"));
-        let old =
-            e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|a| a > max_age);
-        if is_trace && old {
-            let _ = reaper.remove(&e.path());
+        if kind == LineKind::Continued {
+            return Ok(Appended::Orphan);
         }
     }
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    f.write_all(line.as_bytes())?;
+    let size = if rotate { len } else { size + len };
+    Ok(Appended::Written { size, chain_kept: !rotate || kind == LineKind::Whole })
+}
+
+/// Removes trace files untouched for `max_age`; returns the sessions whose
+/// current file went.
+fn sweep(dir: &Path, max_age: Duration, reaper: &Reaper) -> Vec<String> {
+    let mut gone = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return gone };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let is_trace = name.ends_with(".jsonl") || name.ends_with(".jsonl.1");
+        let old =
+            e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|a| a > max_age);
+        if is_trace
+            && old
+            && reaper.remove(&e.path()).is_ok()
+            && let Some(session) = name.strip_suffix(".jsonl")
+        {
+            gone.push(session.to_owned());
+        }
+    }
+    gone
 }
 
 #[cfg(test)]
@@ -413,7 +697,7 @@ mod tests {
     /// that blocks forever); the receiver is returned to keep it open.
     fn stuck(queue: usize) -> (Tracer, mpsc::Receiver<Op>) {
         let (tx, rx) = mpsc::sync_channel(queue);
-        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default() });
+        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default(), chains: Arc::default() });
         (Tracer { writer: Some(writer) }, rx)
     }
 
@@ -490,7 +774,7 @@ mod tests {
             Ok(Some(text))
         };
         for line in ["first\n", "second\n", "third\n"] {
-            append(&path, line, 8, &reaper)?;
+            append(&path, line, LineKind::Whole, 8, &reaper)?;
         }
         let rotated = dir.join("s.jsonl.1");
         assert_eq!(std::fs::read_to_string(&path)?, "third\n");
@@ -504,5 +788,199 @@ mod tests {
         assert!(!rotated.exists());
         assert_eq!(next_reaped()?.as_deref(), Some("second\n"), "the removed file");
         std::fs::remove_dir_all(dir)
+    }
+
+    /// Within a query, a request continues the one before it as far as both
+    /// are the conversation; across queries, as far as the conversation is
+    /// committed; never past a history shorter than what was committed.
+    #[test]
+    fn a_request_continues_what_the_previous_one_shares_with_it() {
+        let chains = Chains::default();
+        assert_eq!(chains.extend("s", "q1", 3, 2), 0, "the session's first request is whole");
+        assert_eq!(chains.extend("s", "q1", 5, 2), 3, "the same query: the whole previous request");
+        assert_eq!(chains.extend("s", "q1", 4, 2), 4, "a hook reshaped the fifth message");
+        // q1 failed: q2's conversation shares q1's history only.
+        assert_eq!(chains.extend("s", "q2", 3, 2), 2);
+        chains.committed("s", "q2", 6);
+        chains.committed("s", "q1", 9);
+        // q2 committed six messages; q3 continues its whole last request.
+        assert_eq!(chains.extend("s", "q3", 7, 6), 3);
+        assert_eq!(chains.extend("s", "q3", 0, 6), 0, "nothing shared: whole");
+        assert_eq!(chains.extend("s", "q3", 8, 6), 0, "after a whole line with nothing shared");
+        // A history shorter than what was committed is not this chain's.
+        assert_eq!(chains.extend("s", "q4", 3, 2), 0);
+        chains.end("s");
+        assert_eq!(chains.extend("s", "q4", 4, 2), 0, "an ended chain starts over");
+        assert_eq!(chains.extend("other", "q9", 4, 2), 0, "chains are per session");
+    }
+
+    /// Past CHAINS_KEPT sessions every chain starts over, rather than the
+    /// map growing with every session ever traced.
+    #[test]
+    fn chains_are_kept_for_a_bounded_number_of_sessions() {
+        let chains = Chains::default();
+        for i in 0..CHAINS_KEPT {
+            chains.extend(&format!("s{i}"), "q", 1, 0);
+        }
+        assert_eq!(chains.extend("s0", "q", 2, 0), 1, "a known session continues");
+        assert_eq!(chains.extend("new", "q", 1, 0), 0);
+        assert_eq!(chains.lock().len(), 1, "the map started over");
+        assert_eq!(chains.extend("s1", "q", 2, 0), 0);
+    }
+
+    /// A file is rotated before a whole request that would take it past
+    /// the limit; any other line rotates it only past twice the limit, and
+    /// then says the file no longer holds the chain; a continued request
+    /// whose file is gone, or would be rotated away, is not written.
+    #[test]
+    fn files_rotate_before_whole_requests_and_never_orphan_a_continued_one() -> std::io::Result<()> {
+        let dir = std::env::temp_dir().join(format!("lattice-trace-chain-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("s.jsonl");
+        let reaper = Reaper { tx: None };
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+        assert_eq!(append(&path, "c\n", LineKind::Continued, 10, &reaper)?, Appended::Orphan, "no file");
+        assert!(!path.exists());
+        let written = |size| Appended::Written { size, chain_kept: true };
+        assert_eq!(append(&path, "whole1\n", LineKind::Whole, 10, &reaper)?, written(7));
+        assert_eq!(append(&path, "cont\n", LineKind::Continued, 10, &reaper)?, written(12), "past the limit");
+        assert_eq!(append(&path, "x\n", LineKind::Other, 10, &reaper)?, written(14));
+        assert_eq!(append(&path, "whole2\n", LineKind::Whole, 10, &reaper)?, written(7), "rotated first");
+        assert_eq!(read(&dir.join("s.jsonl.1")), "whole1\ncont\nx\n");
+        assert_eq!(read(&path), "whole2\n");
+        // Other lines go on to twice the limit, then rotate and end the chain.
+        assert_eq!(append(&path, "other-line\n", LineKind::Other, 10, &reaper)?, written(18));
+        let broke = append(&path, "more\n", LineKind::Other, 10, &reaper)?;
+        assert_eq!(broke, Appended::Written { size: 5, chain_kept: false });
+        assert_eq!(read(&path), "more\n");
+        // A continued request that would pass twice the limit rotates the
+        // file and is not written.
+        assert_eq!(append(&path, "a-long-continued-line\n", LineKind::Continued, 10, &reaper)?, Appended::Orphan);
+        assert!(!path.exists() && read(&dir.join("s.jsonl.1")) == "more\n");
+        std::fs::remove_dir_all(dir)
+    }
+
+    fn request(messages: &[Message]) -> ModelRequest<'_> {
+        ModelRequest { system: "sys".into(), messages: messages.into(), tools: Arc::from(Vec::new()) }
+    }
+
+    /// A request as a file holds it: its query and turn, and its messages.
+    type Read = ((String, u64), Vec<serde_json::Value>);
+
+    /// The requests a file holds, each made whole again, and how many
+    /// messages the file holds for them.
+    fn requests_in(path: &Path) -> Result<(Vec<Read>, usize), String> {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let (mut whole, mut recorded): (Vec<Read>, usize) = (Vec::new(), 0);
+        for line in text.lines() {
+            let line: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+            if line["type"] != "model_request" {
+                continue;
+            }
+            let r = &line["request"];
+            let messages = match (r["messages"].as_array(), r["messages_kept"].as_u64(), r["messages_added"].as_array())
+            {
+                (Some(m), None, None) => {
+                    recorded += m.len();
+                    m.clone()
+                }
+                (None, Some(kept), Some(added)) => {
+                    let before = whole.last().map(|(_, m)| m.as_slice()).unwrap_or_default();
+                    let mut m = before
+                        .get(..kept as usize)
+                        .ok_or(format!("continues more than the file holds: {line}"))?
+                        .to_vec();
+                    recorded += added.len();
+                    m.extend(added.iter().cloned());
+                    m
+                }
+                _ => return Err(format!("neither whole nor continued: {line}")),
+            };
+            let at = (line["query_id"].as_str().unwrap_or_default().to_owned(), line["turn"].as_u64().unwrap_or(0));
+            whole.push((at, messages));
+        }
+        Ok((whole, recorded))
+    }
+
+    fn as_json(messages: &[Message]) -> Vec<serde_json::Value> {
+        messages.iter().map(|m| serde_json::to_value(m).unwrap_or_default()).collect()
+    }
+
+    /// Requests over four queries (one of them failed, one reshaped by a
+    /// hook) read back from the file as they were sent, while the file
+    /// holds far fewer messages than they sent; a small limit rotates the
+    /// file, and each file still reads on its own. (With the limit, the
+    /// writer is waited for after each request: a rotation then never
+    /// drops one.)
+    #[tokio::test]
+    async fn a_trace_file_reads_back_every_request_as_sent() -> Result<(), String> {
+        for (max, rotated) in [(1u64 << 20, false), (700, true)] {
+            let dir = std::env::temp_dir().join(format!("lattice-trace-requests-{}-{max}", std::process::id()));
+            let settings = TraceSettings {
+                dir: dir.clone(),
+                queue_events: 64,
+                max_file_bytes: max,
+                max_age: Duration::from_secs(60),
+            };
+            let tracer = Tracer::start(settings)?;
+            let at = |query: &str| Scope { query_id: query.into(), ..scope() };
+            let text = |i: usize| Message::user_text(format!("message number {i} of the conversation"));
+            let mut sent: Vec<Read> = Vec::new();
+            let mut committed: Vec<Message> = Vec::new();
+            for (q, outcome) in ["committed", "failed", "reshaped", "committed"].into_iter().enumerate() {
+                let scope = at(&format!("q{q}"));
+                let history = committed.len();
+                let mut conversation = committed.clone();
+                for turn in 1..=3u32 {
+                    conversation.push(text(100 * q + turn as usize));
+                    let reshaped: Vec<Message>;
+                    let request = if outcome == "reshaped" && turn == 2 {
+                        // A hook redacts the second message.
+                        reshaped = conversation
+                            .iter()
+                            .enumerate()
+                            .map(|(i, m)| if i == 1 { text(999) } else { m.clone() })
+                            .collect();
+                        request(&reshaped)
+                    } else {
+                        request(&conversation)
+                    };
+                    tracer.emit_request(&scope, turn, &request, &conversation, history).await;
+                    sent.push(((scope.query_id.clone(), u64::from(turn)), as_json(&request.messages)));
+                    if rotated {
+                        // A writer that keeps up.
+                        tracer.flush().await;
+                    }
+                    tracer.emit(&scope, TraceEvent::ToolUse { turn, id: "t", name: "tool" }).await;
+                }
+                if outcome != "failed" {
+                    tracer.committed(&scope, conversation.len());
+                    committed = conversation;
+                }
+                // As at the end of each query.
+                tracer.flush().await;
+            }
+            let (mut read, mut recorded) = requests_in(&dir.join("s.jsonl.1"))?;
+            let (current, more) = requests_in(&dir.join("s.jsonl"))?;
+            read.extend(current);
+            recorded += more;
+            for (at, messages) in &read {
+                let sent = sent.iter().find(|(s, _)| s == at).map(|(_, m)| m);
+                assert_eq!(sent, Some(messages), "{max}: {at:?} as sent");
+            }
+            assert_eq!(dir.join("s.jsonl.1").exists(), rotated);
+            if !rotated {
+                assert_eq!(read, sent, "every request, in order");
+                let total: usize = sent.iter().map(|(_, m)| m.len()).sum();
+                assert!(recorded * 2 < total, "{recorded} messages recorded for {total} sent");
+            } else {
+                // Rotated only before whole requests: none was dropped, and
+                // both files hold some.
+                assert_eq!(tracer.dropped().map(|d| d.load(Ordering::Relaxed)), Some(0));
+                assert!(read.len() >= 2, "{max}: {} requests read", read.len());
+            }
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        Ok(())
     }
 }

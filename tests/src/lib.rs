@@ -556,6 +556,17 @@ impl Outcome {
         })
     }
 
+    /// The query id from the started event.
+    pub fn query_id(&self) -> String {
+        self.events
+            .iter()
+            .find_map(|e| match &e.event {
+                Some(Event::Started(s)) => Some(s.query_id.clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
     /// The session id from the started event.
     pub fn session_id(&self) -> String {
         self.events
@@ -647,6 +658,51 @@ pub fn message_text(m: &pb::Message) -> String {
             _ => None,
         })
         .collect()
+}
+
+/// A model request read back from a trace file: its query, its turn, its
+/// messages (made whole again) and how many of them its line holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracedRequest {
+    /// The query's id.
+    pub query_id: String,
+    /// 1-based turn.
+    pub turn: u64,
+    /// The messages as sent.
+    pub messages: Vec<serde_json::Value>,
+    /// How many of them the line holds (the rest continue the file's
+    /// previous request).
+    pub recorded: usize,
+}
+
+/// The model requests of one trace file, each made whole again as the
+/// README says to: a line with `messages_kept` takes that many messages
+/// from the file's previous request, then its `messages_added`. Panics if
+/// a line continues more than the file holds.
+pub fn traced_requests(path: &Path) -> Vec<TracedRequest> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut requests: Vec<TracedRequest> = Vec::new();
+    for line in text.lines() {
+        let line: serde_json::Value = serde_json::from_str(line).expect("a trace line is JSON");
+        if line["type"] != "model_request" {
+            continue;
+        }
+        let r = &line["request"];
+        let (messages, recorded) = match (r["messages"].as_array(), r["messages_kept"].as_u64()) {
+            (Some(m), None) => (m.clone(), m.len()),
+            (None, Some(kept)) => {
+                let before = requests.last().map_or(&[][..], |p| &p.messages[..]);
+                let kept =
+                    before.get(..kept as usize).unwrap_or_else(|| panic!("{line} continues more than the file holds"));
+                let added = r["messages_added"].as_array().expect("messages_added");
+                (kept.iter().chain(added).cloned().collect(), added.len())
+            }
+            _ => panic!("neither whole nor continued: {line}"),
+        };
+        let query_id = line["query_id"].as_str().unwrap_or_default().to_owned();
+        requests.push(TracedRequest { query_id, turn: line["turn"].as_u64().unwrap_or(0), messages, recorded });
+    }
+    requests
 }
 
 /// Asserts that `canary` reached no sink: the client's events and status,

@@ -1,12 +1,18 @@
 //! Trace files on disk: written off the query path, so a stalled disk
-//! drops events (counted) instead of slowing queries; rotated by size;
-//! deleted with their session; a trace_dir that can't be written stops
-//! start-up with the reason.
+//! drops events (counted) instead of slowing queries; each request
+//! recorded as it continues the one before; rotated by size; deleted with
+//! their session; a trace_dir that can't be written stops start-up with
+//! the reason.
 
 use std::time::Duration;
 
 use lattice_proto::agent::v1 as pb;
-use lattice_tests::{Lattice, QueryOpts, cfg, sample, temp_dir, workspace_binary};
+use lattice_tests::{
+    Lattice, QueryOpts, cfg,
+    hook::{Behaviour, HookServer, OnRequest},
+    message_text, sample, temp_dir, traced_requests, workspace_binary,
+};
+use tonic::Code;
 
 fn in_session(sid: &str, prompt: &str) -> QueryOpts {
     QueryOpts { agent: "a".into(), prompt: prompt.into(), session: Some(sid.to_owned()), ..Default::default() }
@@ -40,24 +46,132 @@ async fn a_stalled_trace_disk_never_slows_queries() {
     assert!(lattice.process_logs().contains("trace writer stalled"));
 }
 
-/// A file about to pass trace_max_file_bytes is rotated to .1; deleting
-/// the session deletes both.
+/// A request: its query, its turn, and each message's text and number of
+/// blocks.
+type Request = (String, u64, Vec<(String, usize)>);
+
+/// A message's text and how many blocks it has, from a trace line.
+fn traced_message(m: &serde_json::Value) -> (String, usize) {
+    let blocks = m["content"].as_array().cloned().unwrap_or_default();
+    let text = blocks.iter().filter(|b| b["type"] == "text").filter_map(|b| b["text"].as_str()).collect();
+    (text, blocks.len())
+}
+
+/// The same of a message the client was streamed.
+fn streamed_message(m: &pb::Message) -> (String, usize) {
+    (message_text(m), m.content.len())
+}
+
+/// Over a session's queries (the tool's result, a hook that reshapes some
+/// requests, a query that fails midway), the trace file gives back each
+/// request the model was sent, while each line holds only what the
+/// request adds to the one before: the last query's lines hold a few
+/// messages each, however long the conversation.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new() {
+    let (tools, _tools) = lattice_tests::start_example_tools().await;
+    let shaper = HookServer::start(Behaviour::default()).await;
+    let results = HookServer::start(Behaviour::default()).await;
+    let config = cfg::agent("a", "")
+        + &cfg::turn("looking", &["lookup_customer:{ query = \"c-100\" }"])
+        + &cfg::turn("done", &[])
+        + &cfg::tools(&tools, 5000)
+        + &cfg::hook("shaper", &shaper.url, &["model_request"], 2000)
+        + &cfg::hook("results", &results.url, &["tool_result"], 2000);
+    let lattice = Lattice::spawn(&config, &[]).await;
+    let mut sid: Option<String> = None;
+    let mut streamed: Vec<Request> = Vec::new();
+    for i in 0..12 {
+        // Queries 4-5 reach the model reshaped; query 8 fails after its
+        // first request (the tool result's hook fails), so the next query
+        // continues a conversation without its messages.
+        shaper.state.set(Behaviour {
+            on_request: if (4..6).contains(&i) {
+                OnRequest::AppendToLastText(" [shaped]".into())
+            } else {
+                OnRequest::Keep
+            },
+            ..Default::default()
+        });
+        results.state.set(Behaviour { fail: (i == 8).then_some(Code::Unavailable), ..Default::default() });
+        let opts = QueryOpts {
+            agent: "a".into(),
+            prompt: format!("question {i}"),
+            session: sid.clone(),
+            ..Default::default()
+        };
+        let out = lattice.query_with(opts).await;
+        if i == 8 {
+            assert_eq!(out.status.as_ref().map(|s| s.code()), Some(Code::Aborted));
+        } else {
+            out.ok();
+        }
+        sid.get_or_insert(out.session_id());
+        for r in out.model_requests() {
+            streamed.push((
+                out.query_id(),
+                u64::from(r.turn),
+                r.messages.iter().map(streamed_message).collect::<Vec<_>>(),
+            ));
+        }
+    }
+    let sid = sid.unwrap_or_default();
+    let traced = traced_requests(&lattice.trace_dir.join(format!("{sid}.jsonl")));
+    let read: Vec<Request> =
+        traced.iter().map(|r| (r.query_id.clone(), r.turn, r.messages.iter().map(traced_message).collect())).collect();
+    assert_eq!(read.len(), 23, "two requests a query, one of the failed query");
+    assert_eq!(read, streamed, "each request as the model was sent it");
+    assert!(streamed.iter().any(|(_, _, m)| m.iter().any(|(text, _)| text.ends_with("[shaped]"))));
+    // The README's reader, in Python, reads the same requests.
+    let readme = std::fs::read_to_string(lattice_tests::workspace_root().join("README.md")).unwrap();
+    let reader = readme.split("To read every request whole:\n\n```python\n").nth(1).and_then(|r| r.split("```").next());
+    let file = lattice.trace_dir.join(format!("{sid}.jsonl"));
+    let script = reader.unwrap_or_default().replace("DIR/SESSION_ID.jsonl", &file.display().to_string())
+        + "print(json.dumps([r['request']['messages'] for r in requests]))\n";
+    let by_python: Vec<Vec<serde_json::Value>> =
+        serde_json::from_str(&lattice_tests::piped("python3", &["-c", &script], b"")).unwrap();
+    assert_eq!(by_python, traced.iter().map(|r| r.messages.clone()).collect::<Vec<_>>());
+    let last = &traced[traced.len() - 2..];
+    for r in last {
+        assert!(
+            r.messages.len() >= 40 && r.recorded <= 3,
+            "{} messages, {} of them on the line",
+            r.messages.len(),
+            r.recorded
+        );
+    }
+}
+
+/// A file past trace_max_file_bytes is rotated to .1 before its next
+/// request, which it begins whole, so each file reads on its own; no file
+/// passes twice the size; deleting the session deletes both.
 #[tokio::test(flavor = "multi_thread")]
 async fn trace_files_rotate_and_go_with_their_session() {
-    let config = "[server]\ntrace_max_file_bytes = 3000\n".to_owned()
+    let config = "[server]\ntrace_max_file_bytes = 4000\n".to_owned()
         + &cfg::agent("a", "")
         + "[[agents.model.script]]\ntext = \"{{last_user_text}}\"\n";
     let lattice = Lattice::spawn(&config, &[]).await;
-    let first = lattice.query("a", &"x".repeat(500)).await;
+    let first = lattice.query("a", &"x".repeat(100)).await;
     let sid = first.session_id();
-    for i in 0..6 {
-        assert_eq!(lattice.query_with(in_session(&sid, &format!("{i}{}", "y".repeat(400)))).await.ok().text.len(), 401);
+    for i in 0..11 {
+        assert_eq!(
+            lattice.query_with(in_session(&sid, &format!("{i:02}{}", "y".repeat(100)))).await.ok().text.len(),
+            102
+        );
     }
     let (current, rotated) =
         (lattice.trace_dir.join(format!("{sid}.jsonl")), lattice.trace_dir.join(format!("{sid}.jsonl.1")));
     assert!(rotated.exists(), "the file was rotated");
     let size = std::fs::metadata(&current).unwrap().len();
-    assert!(size <= 3000, "{size} bytes");
+    assert!(size <= 8000, "{size} bytes");
+    for file in [&rotated, &current] {
+        let first = std::fs::read_to_string(file).unwrap();
+        let first = first.lines().find(|l| l.contains("\"type\":\"model_request\"")).unwrap_or_default();
+        assert!(first.contains("\"messages\":["), "a file begins with a whole request: {first}");
+        let requests = traced_requests(file);
+        let prompt = requests.last().and_then(|r| r.messages.last()).and_then(|m| m["content"][0]["text"].as_str());
+        assert!(prompt.is_some_and(|p| p.ends_with(&"y".repeat(100))), "{prompt:?}");
+    }
     let last = std::fs::read_to_string(&current).unwrap();
     assert!(last.lines().last().unwrap().contains("\"type\":\"audit\""), "the newest events are in the current file");
 
