@@ -782,7 +782,9 @@ fn as_request(messages: &[Message]) -> Cow<'_, [Message]> {
     let mut merged: Vec<Message> = Vec::with_capacity(messages.len());
     for m in messages {
         match merged.last_mut() {
-            Some(last) if last.role == m.role => last.content.extend(m.content.iter().cloned()),
+            Some(last) if last.role == m.role => {
+                last.content = last.content.iter().chain(m.content.iter()).cloned().collect();
+            }
             _ => merged.push(m.clone()),
         }
     }
@@ -870,7 +872,7 @@ mod tests {
     use crate::domain::{Block, Message, Role};
 
     fn said(role: Role, text: &str) -> Message {
-        Message { role, content: vec![Block::Text { text: text.to_owned() }] }
+        Message { role, content: std::sync::Arc::new([Block::Text { text: text.to_owned() }]) }
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub struct Message {
     /// Who wrote it.
     pub role: Role,
     /// Its blocks, in order.
-    pub content: Vec<Block>,
+    pub content: Arc<[Block]>,
 }
 
 /// One content block.
@@ -142,7 +142,7 @@ impl std::ops::AddAssign for Usage {
 #[derive(Debug, Clone, PartialEq)]
 pub struct AssistantReply {
     /// Text and tool_use blocks.
-    pub content: Vec<Block>,
+    pub content: Arc<[Block]>,
     /// Why it stopped.
     pub stop_reason: StopReason,
     /// Tokens used by this request.
@@ -162,7 +162,7 @@ impl AssistantReply {
 impl Message {
     /// A user message with one text block.
     pub fn user_text(text: impl Into<String>) -> Self {
-        Self { role: Role::User, content: vec![Block::Text { text: text.into() }] }
+        Self { role: Role::User, content: Arc::new([Block::Text { text: text.into() }]) }
     }
 
     /// The concatenated text blocks.
@@ -355,7 +355,7 @@ mod tests {
         Block::ToolResult(ToolResult::text(id, "r", false))
     }
     fn msg(role: Role, content: Vec<Block>) -> Message {
-        Message { role, content }
+        Message { role, content: content.into() }
     }
 
     #[test]

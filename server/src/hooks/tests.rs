@@ -177,13 +177,13 @@ async fn no_call_is_made_without_time_left() {
 #[test]
 fn a_window_starts_at_a_clean_user_message() {
     use crate::domain::{Block, Role, ToolUse};
-    let text = |role, n: usize| Message { role, content: vec![Block::Text { text: "x".repeat(n) }] };
+    let text = |role, n: usize| Message { role, content: Arc::new([Block::Text { text: "x".repeat(n) }]) };
     let tool_use = Message {
         role: Role::Assistant,
-        content: vec![Block::ToolUse(ToolUse { id: "t1".into(), name: "t".into(), input: JsonObject::new() })],
+        content: Arc::new([Block::ToolUse(ToolUse { id: "t1".into(), name: "t".into(), input: JsonObject::new() })]),
     };
     let tool_result =
-        Message { role: Role::User, content: vec![Block::ToolResult(ToolResult::text("t1", "r", false))] };
+        Message { role: Role::User, content: Arc::new([Block::ToolResult(ToolResult::text("t1", "r", false))]) };
     let messages =
         vec![text(Role::User, 1000), tool_use, tool_result, text(Role::Assistant, 1000), text(Role::User, 100)];
     let encoded = convert::messages_to_pb(&messages);

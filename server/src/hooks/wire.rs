@@ -315,18 +315,18 @@ mod tests {
             Msg::user_text("find it"),
             Msg {
                 role: Role::Assistant,
-                content: vec![
+                content: Arc::new([
                     Block::Text { text: "looking".into() },
                     Block::ToolUse(ToolUse {
                         id: "toolu_1".into(),
                         name: "fetch".into(),
                         input: serde_json::json!({"q": "x"}).as_object().unwrap().clone(),
                     }),
-                ],
+                ]),
             },
             Msg {
                 role: Role::User,
-                content: vec![Block::ToolResult(ToolResult::text("toolu_1", "z".repeat(20_000), false))],
+                content: Arc::new([Block::ToolResult(ToolResult::text("toolu_1", "z".repeat(20_000), false))]),
             },
         ];
         let cases = [

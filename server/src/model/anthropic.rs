@@ -151,7 +151,7 @@ impl Wire for Anthropic {
                 blocks.extend(block(b)?);
             }
             return Ok(AssistantReply {
-                content: blocks,
+                content: blocks.into(),
                 stop_reason: stop_reason(v["stop_reason"].as_str()),
                 usage: usage(&v["usage"]),
             });
@@ -229,7 +229,7 @@ impl Wire for Anthropic {
                         }
                     }
                     return Ok(AssistantReply {
-                        content,
+                        content: content.into(),
                         stop_reason: stop_reason(stop.as_deref()),
                         usage: reply_usage,
                     });

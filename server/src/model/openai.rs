@@ -43,7 +43,7 @@ pub(crate) fn body(http: &HttpModel, req: &ModelRequest<'_>) -> Value {
             Role::User => {
                 // Tool results answer the previous assistant message's
                 // tool_calls, so they come first, one `tool` message each.
-                for b in &m.content {
+                for b in m.content.iter() {
                     if let Block::ToolResult(r) = b {
                         let text = r.content.concat();
                         let content = if r.is_error { format!("{ERROR_PREFIX}{text}") } else { text };
@@ -175,7 +175,7 @@ impl Wire for OpenAi {
                 );
             }
             return Ok(AssistantReply {
-                content: assemble(text, calls)?,
+                content: assemble(text, calls)?.into(),
                 stop_reason: stop_reason(choice["finish_reason"].as_str()),
                 usage: usage(&v["usage"]),
             });
@@ -189,7 +189,7 @@ impl Wire for OpenAi {
             let event = event.map_err(|_| Failure::retry("the event stream broke off"))?;
             if event.data.trim() == "[DONE]" {
                 return Ok(AssistantReply {
-                    content: assemble(text, calls)?,
+                    content: assemble(text, calls)?.into(),
                     stop_reason: stop_reason(finish.as_deref()),
                     usage: reply_usage,
                 });

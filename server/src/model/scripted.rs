@@ -154,7 +154,7 @@ impl Model for Scripted {
         let in_bytes = request.system.len() + request.messages.iter().map(|m| text_bytes(&m.content)).sum::<usize>();
         let out_bytes = text_bytes(&content);
         Ok(AssistantReply {
-            content,
+            content: content.into(),
             stop_reason,
             usage: Usage { input_tokens: tokens(in_bytes), output_tokens: tokens(out_bytes) },
         })
