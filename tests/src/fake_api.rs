@@ -5,7 +5,10 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Instant,
 };
 
@@ -89,6 +92,9 @@ pub struct FakeApi {
     pub fallback: Arc<Mutex<Reply>>,
     /// When clients closed [`Reply::Hang`] connections.
     pub closed: Arc<Mutex<Vec<Instant>>>,
+    /// Whether requests are kept in `requests` (on; a benchmark's many
+    /// large requests are not).
+    pub record: Arc<AtomicBool>,
 }
 
 impl FakeApi {
@@ -100,13 +106,16 @@ impl FakeApi {
         let fallback =
             Arc::new(Mutex::new(Reply::status(500, serde_json::json!({"error": {"type": "no_more_replies"}}))));
         let closed = Arc::new(Mutex::new(Vec::new()));
-        let (r, q, f, c) = (requests.clone(), replies.clone(), fallback.clone(), closed.clone());
+        let record = Arc::new(AtomicBool::new(true));
+        let (r, q, f, c, k) = (requests.clone(), replies.clone(), fallback.clone(), closed.clone(), record.clone());
         tokio::spawn(async move {
             while let Ok((mut sock, _)) = listener.accept().await {
-                let (r, q, f, c) = (r.clone(), q.clone(), f.clone(), c.clone());
+                let (r, q, f, c, k) = (r.clone(), q.clone(), f.clone(), c.clone(), k.clone());
                 tokio::spawn(async move {
                     let Some(req) = read_request(&mut sock).await else { return };
-                    r.lock().unwrap().push(req);
+                    if k.load(Ordering::Relaxed) {
+                        r.lock().unwrap().push(req);
+                    }
                     let reply = q.lock().unwrap().pop_front().unwrap_or_else(|| f.lock().unwrap().clone());
                     let bytes = match reply {
                         Reply::Body { status, body, headers } => {
@@ -139,7 +148,7 @@ impl FakeApi {
                 });
             }
         });
-        FakeApi { url: format!("http://{addr}"), requests, replies, fallback, closed }
+        FakeApi { url: format!("http://{addr}"), requests, replies, fallback, closed, record }
     }
 
     /// Requests so far.

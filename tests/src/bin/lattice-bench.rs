@@ -4,7 +4,9 @@
 //! OnModelRequest rounds) and one tool call (one OnToolResult round).
 //!
 //! Then one session continued as its conversation grows (what a query
-//! costs per message of history), and the session store: queries continuing sessions in the `memory` and
+//! costs per message of history), the same through each HTTP model
+//! provider's format (a local server answering as the provider does: what
+//! a request's body costs), and the session store: queries continuing sessions in the `memory` and
 //! the `postgres` store, with 1 and 16 clients at once (no trace; for the
 //! memory store also 16 clients on sessions of 4,000 messages); and the time of one
 //! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
@@ -13,7 +15,7 @@
 //! through it must read it about once). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
 //!
-//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,stores,commits,pages]`
+//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,providers,stores,commits,pages]`
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +26,7 @@ use lattice_server::{
 };
 use lattice_tests::{
     Lattice, QueryOpts, cfg,
+    fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnResult},
     postgres::Cluster,
     tls::TestCa,
@@ -54,7 +57,7 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let queries: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(300);
     // The sections to run (all by default).
-    const SECTIONS: [&str; 5] = ["hooks", "long", "stores", "commits", "pages"];
+    const SECTIONS: [&str; 6] = ["hooks", "long", "providers", "stores", "commits", "pages"];
     let only = args.iter().position(|a| a == "--only").map(|i| args.get(i + 1).cloned().unwrap_or_default());
     if let Some(unknown) = only.iter().flat_map(|o| o.split(',')).find(|s| !SECTIONS.contains(s)) {
         eprintln!("lattice-bench: no section {unknown:?} (--only takes some of {})", SECTIONS.join(","));
@@ -68,6 +71,10 @@ async fn main() {
     if section("long") {
         long_sessions(&tools.url, false).await;
         long_sessions(&tools.url, true).await;
+    }
+    if section("providers") {
+        provider_sessions("anthropic").await;
+        provider_sessions("openai").await;
     }
     if section("stores") {
         stores(queries).await;
@@ -206,6 +213,78 @@ async fn long_sessions(tools_url: &str, traced: bool) {
             }
         };
         println!("{messages:>9} {:>7} KiB {:>10.2?} {:>10.2?} {more:>22}", messages / 4, p50, percentile(&times, 0.99));
+    }
+    lattice.stop().await;
+}
+
+/// One session continued through an HTTP model provider (a local server
+/// answering in the provider's format): what a model request's body costs
+/// as the conversation grows.
+async fn provider_sessions(provider: &str) {
+    const KEY_VAR: &str = "LATTICE_BENCH_MODEL_KEY";
+    let reply = match provider {
+        "anthropic" => serde_json::json!({"id": "msg_1", "type": "message", "role": "assistant",
+            "content": [{"type": "text", "text": "y".repeat(256)}], "model": "m", "stop_reason": "end_turn",
+            "usage": {"input_tokens": 3, "output_tokens": 4}}),
+        _ => serde_json::json!({"id": "c1", "object": "chat.completion", "choices": [{"index": 0,
+            "message": {"role": "assistant", "content": "y".repeat(256)}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}),
+    };
+    let api = FakeApi::start(vec![]).await;
+    api.record.store(false, std::sync::atomic::Ordering::Relaxed);
+    *api.fallback.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Reply::json(reply);
+    let config = format!(
+        "[sessions]\nstore = \"memory\"\n[[agents]]\nname = \"a\"\nsystem_prompt = \"sys\"\n[agents.model]\nprovider = {provider:?}\nname = \"m\"\nbase_url = {:?}\napi_key_env = {KEY_VAR:?}\nmax_tokens = 512\nstream = false\n",
+        api.url
+    );
+    let lattice = Lattice::start_untraced(&config, &[(KEY_VAR, "sk-bench")]).await;
+    let prompt = "x".repeat(256);
+    let continued = |sid: &str| QueryOpts {
+        agent: "a".into(),
+        prompt: prompt.clone(),
+        session: Some(sid.to_owned()),
+        no_model_requests: true,
+        ..Default::default()
+    };
+    let sid = lattice.query("a", &prompt).await.session_id();
+    let mut done = 1usize;
+    println!();
+    println!(
+        "one session continued through {provider}'s API (a local server; memory store, no trace; each query: 256-byte prompt and answer, 1 model request)"
+    );
+    println!("{:>9} {:>10} {:>10} {:>10} {:>22}", "messages", "body", "p50", "p99", "p50 more per 1,000");
+    let mut first: Option<(usize, Duration)> = None;
+    for before in [1usize, 1000, 4000] {
+        while done < before {
+            lattice.query_with(continued(&sid)).await.ok();
+            done += 1;
+        }
+        let messages = 2 * done;
+        let mut times = Vec::with_capacity(100);
+        for _ in 0..100 {
+            let out = lattice.query_with(continued(&sid)).await;
+            out.ok();
+            times.push(out.elapsed);
+            done += 1;
+        }
+        times.sort();
+        let p50 = percentile(&times, 0.5);
+        let more = match first {
+            None => {
+                first = Some((messages, p50));
+                "-".to_owned()
+            }
+            Some((m0, t0)) => {
+                let per = p50.saturating_sub(t0).as_secs_f64() * 1000.0 / (messages - m0) as f64;
+                format!("{:.2?}", Duration::from_secs_f64(per))
+            }
+        };
+        println!(
+            "{messages:>9} {:>6} KiB {:>10.2?} {:>10.2?} {more:>22}",
+            messages * 300 / 1024,
+            p50,
+            percentile(&times, 0.99)
+        );
     }
     lattice.stop().await;
 }
