@@ -5,11 +5,13 @@
 //! `content_block_stop`, `message_delta`, `message_stop`, `ping` and
 //! `error`; a stream that ends before `message_stop` is cut short.
 
+use bytes::Bytes;
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
-use super::http::{Failure, HttpModel, Wire, json_body, tool_input};
+use super::http::{Failure, HttpModel, Wire, json_body, seq, tool_input};
 use crate::{
     domain::{AssistantReply, Block, ModelRequest, Role, Step, StopReason, ToolUse, Usage},
     model::{DeltaSink, Model, ModelError, ModelErrorKind},
@@ -21,56 +23,97 @@ pub const API_VERSION: &str = "2023-06-01";
 #[derive(Debug)]
 pub(super) struct Anthropic(pub(super) HttpModel);
 
-/// The request body: exactly the post-hook request, in the API's shape.
-pub(crate) fn body(http: &HttpModel, req: &ModelRequest<'_>) -> Value {
-    let messages: Vec<Value> = req
-        .messages
-        .iter()
-        .map(|m| {
-            let content: Vec<Value> = m
-                .content
-                .iter()
-                .map(|b| match b {
-                    Block::Text { text } => json!({"type": "text", "text": text}),
-                    Block::ToolUse(t) => json!({"type": "tool_use", "id": t.id, "name": t.name, "input": t.input}),
-                    Block::ToolResult(r) => {
-                        let content: Vec<Value> =
-                            r.content.iter().map(|t| json!({"type": "text", "text": t})).collect();
-                        let mut v = json!({"type": "tool_result", "tool_use_id": r.tool_use_id, "content": content});
-                        if r.is_error {
-                            v["is_error"] = json!(true);
-                        }
-                        v
-                    }
-                })
-                .collect();
-            let role = match m.role {
+/// The request body: exactly the post-hook request, in the API's shape,
+/// written straight from the request (keys in the order a JSON object
+/// sorts them).
+pub(crate) fn body<'a>(http: &'a HttpModel, req: &'a ModelRequest<'_>) -> impl Serialize + 'a {
+    let cfg = &http.cfg;
+    Body {
+        max_tokens: cfg.max_tokens,
+        messages: seq(&req.messages, |m| WireMessage {
+            content: seq(&m.content, WireBlock),
+            role: match m.role {
                 Role::User => "user",
                 Role::Assistant => "assistant",
-            };
-            json!({"role": role, "content": content})
-        })
-        .collect();
-    let cfg = &http.cfg;
-    let mut body = json!({"model": cfg.model, "max_tokens": cfg.max_tokens, "messages": messages});
-    if !req.system.is_empty() {
-        body["system"] = json!(req.system);
+            },
+        }),
+        model: &cfg.model,
+        stream: cfg.stream.then_some(true),
+        system: (!req.system.is_empty()).then_some(&*req.system),
+        temperature: cfg.temperature,
+        tools: (!req.tools.is_empty()).then(|| {
+            seq(&req.tools[..], |t| WireTool {
+                description: &t.description,
+                input_schema: &t.input_schema,
+                name: &t.name,
+            })
+        }),
     }
-    if !req.tools.is_empty() {
-        let tools: Vec<Value> = req
-            .tools
-            .iter()
-            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))
-            .collect();
-        body["tools"] = json!(tools);
+}
+
+#[derive(Serialize)]
+struct Body<'a, M: Serialize, T: Serialize> {
+    max_tokens: u32,
+    messages: M,
+    model: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<T>,
+}
+
+#[derive(Serialize)]
+struct WireMessage<C: Serialize> {
+    content: C,
+    role: &'static str,
+}
+
+#[derive(Serialize)]
+struct WireTool<'a> {
+    description: &'a str,
+    input_schema: &'a serde_json::Map<String, Value>,
+    name: &'a str,
+}
+
+/// A text block: `{"text", "type"}`.
+#[derive(Serialize)]
+struct WireText<'a> {
+    text: &'a str,
+    r#type: &'static str,
+}
+
+/// A content block in the API's shape.
+struct WireBlock<'a>(&'a Block);
+
+impl Serialize for WireBlock<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self.0 {
+            Block::Text { text } => WireText { text, r#type: "text" }.serialize(s),
+            Block::ToolUse(t) => {
+                let mut m = s.serialize_map(Some(4))?;
+                m.serialize_entry("id", &t.id)?;
+                m.serialize_entry("input", &t.input)?;
+                m.serialize_entry("name", &t.name)?;
+                m.serialize_entry("type", "tool_use")?;
+                m.end()
+            }
+            Block::ToolResult(r) => {
+                let mut m = s.serialize_map(None)?;
+                m.serialize_entry("content", &seq(&r.content[..], |t| WireText { text: t, r#type: "text" }))?;
+                if r.is_error {
+                    m.serialize_entry("is_error", &true)?;
+                }
+                m.serialize_entry("tool_use_id", &r.tool_use_id)?;
+                m.serialize_entry("type", "tool_result")?;
+                m.end()
+            }
+        }
     }
-    if let Some(t) = cfg.temperature {
-        body["temperature"] = json!(t);
-    }
-    if cfg.stream {
-        body["stream"] = json!(true);
-    }
-    body
 }
 
 fn stop_reason(s: Option<&str>) -> StopReason {
@@ -126,12 +169,13 @@ fn error_event(v: &Value) -> Failure {
 
 #[tonic::async_trait]
 impl Wire for Anthropic {
-    fn request(&self, http: &HttpModel, body: &Value) -> reqwest::RequestBuilder {
+    fn request(&self, http: &HttpModel, body: &Bytes) -> reqwest::RequestBuilder {
         http.client
             .post(http.url("/v1/messages"))
             .header("x-api-key", &http.cfg.api_key)
             .header("anthropic-version", API_VERSION)
-            .json(body)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(body.clone())
     }
 
     async fn read(
@@ -250,6 +294,7 @@ impl Model for Anthropic {
         step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
-        self.0.execute(self, &body(&self.0, request), step.scope.deadline, &deltas).await
+        let body = self.0.encode(&body(&self.0, request))?;
+        self.0.execute(self, &body, step.scope.deadline, &deltas).await
     }
 }

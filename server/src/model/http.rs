@@ -6,6 +6,8 @@
 
 use std::{sync::Once, time::Duration};
 
+use bytes::Bytes;
+use serde::Serialize;
 use serde_json::Value;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -47,8 +49,9 @@ impl Failure {
 /// One provider's wire format.
 #[tonic::async_trait]
 pub(super) trait Wire: Send + Sync {
-    /// The HTTP request for `body` (URL, auth and version headers).
-    fn request(&self, http: &HttpModel, body: &Value) -> reqwest::RequestBuilder;
+    /// The HTTP request for `body`, a JSON document (URL, auth, version
+    /// and content-type headers).
+    fn request(&self, http: &HttpModel, body: &Bytes) -> reqwest::RequestBuilder;
     /// Reads a successful response, streamed or whole. `delivered` is set
     /// once any text went to `deltas` (the attempt can't be retried then).
     async fn read(
@@ -92,13 +95,20 @@ impl HttpModel {
         ModelError { provider: self.cfg.provider.as_str().to_owned(), kind, message }
     }
 
+    /// Writes a request body as JSON, once for all its attempts.
+    pub(super) fn encode(&self, body: &impl Serialize) -> Result<Bytes, ModelError> {
+        serde_json::to_vec(body)
+            .map(Bytes::from)
+            .map_err(|_| self.error(ModelErrorKind::InvalidRequest, "the request could not be written as JSON".into()))
+    }
+
     /// Sends `body` until it succeeds, fails for good, runs out of retries,
     /// or would pass the deadline: `min(the model's deadline, the query's)`.
     /// Every attempt is cut at that deadline, and no retry waits past it.
     pub(super) async fn execute(
         &self,
         wire: &dyn Wire,
-        body: &Value,
+        body: &Bytes,
         query_deadline: Instant,
         deltas: &DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
@@ -233,6 +243,21 @@ async fn http_failure(response: reqwest::Response) -> Failure {
     }
 }
 
+/// A slice written as a JSON array of what `f` makes of each item, with no
+/// copy of the items.
+pub(super) struct Seq<'a, T, F>(&'a [T], F);
+
+/// A [`Seq`] of `items`.
+pub(super) fn seq<'a, T, R: Serialize, F: Fn(&'a T) -> R>(items: &'a [T], f: F) -> Seq<'a, T, F> {
+    Seq(items, f)
+}
+
+impl<'a, T, R: Serialize, F: Fn(&'a T) -> R> Serialize for Seq<'a, T, F> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(&self.1))
+    }
+}
+
 /// Parses a JSON body, or says it isn't one.
 pub(super) async fn json_body(response: reqwest::Response) -> Result<Value, Failure> {
     let bytes = response.bytes().await.map_err(|e| Failure::retry(describe(&e)))?;
@@ -252,7 +277,10 @@ pub(super) fn tool_input(raw: &str) -> Result<serde_json::Map<String, Value>, Fa
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
+    use crate::domain::ModelRequest;
 
     /// A retry waits for the server's retry-after, or the backoff, only if
     /// the wait ends before the deadline (the query's, when it is earlier).
@@ -267,5 +295,151 @@ mod tests {
         assert!(retry_wait(now, now + Duration::from_millis(200), None, 4).is_err());
         let backoff = retry_wait(now, now + s(60), None, 1).unwrap();
         assert!(backoff >= Duration::from_millis(500) && backoff <= s(1), "{backoff:?}");
+    }
+
+    /// A request with every kind of block, text that JSON escapes, a
+    /// temperature and tools.
+    fn rich_request() -> (ModelRequest<'static>, Vec<crate::domain::ToolSpec>) {
+        use crate::domain::{Block, Message, Role, ToolResult, ToolSpec, ToolUse};
+        let input = json!({"q": "ada \"lovelace\"", "n": [1, 2.5], "deep": {"z": null, "a": true}});
+        let input = input.as_object().cloned().unwrap_or_default();
+        let tools = vec![ToolSpec {
+            name: "lookup".into(),
+            description: "finds\nthings".into(),
+            input_schema: json!({"type": "object"}).as_object().cloned().unwrap_or_default(),
+        }];
+        let messages = vec![
+            Message::user_text("find \"ada\"\n\t\u{1}é😀"),
+            Message {
+                role: Role::Assistant,
+                content: std::sync::Arc::new([
+                    Block::Text { text: "looking".into() },
+                    Block::Text { text: String::new() },
+                    Block::ToolUse(ToolUse { id: "t1".into(), name: "lookup".into(), input }),
+                    Block::ToolUse(ToolUse { id: "t2".into(), name: "lookup".into(), input: Default::default() }),
+                ]),
+            },
+            Message {
+                role: Role::User,
+                content: std::sync::Arc::new([
+                    Block::ToolResult(ToolResult {
+                        tool_use_id: "t1".into(),
+                        content: vec!["a".into(), "b\"".into()],
+                        is_error: false,
+                    }),
+                    Block::ToolResult(ToolResult {
+                        tool_use_id: "t2".into(),
+                        content: vec!["boom".into()],
+                        is_error: true,
+                    }),
+                    Block::Text { text: "and".into() },
+                    Block::Text { text: "more".into() },
+                ]),
+            },
+            Message {
+                role: Role::Assistant,
+                content: std::sync::Arc::new([Block::ToolUse(ToolUse {
+                    id: "t3".into(),
+                    name: "lookup".into(),
+                    input: Default::default(),
+                })]),
+            },
+        ];
+        let request =
+            ModelRequest { system: "be \"brief\"".into(), messages: messages.into(), tools: tools.clone().into() };
+        (request, tools)
+    }
+
+    fn model(provider: crate::config::Provider, stream: bool) -> Result<HttpModel, String> {
+        HttpModel::new(HttpModelConfig {
+            provider,
+            model: "m".into(),
+            base_url: "http://127.0.0.1:1".into(),
+            api_key_env: "K".into(),
+            api_key: "k".into(),
+            max_tokens: 512,
+            temperature: Some(0.3),
+            deadline: Duration::from_secs(1),
+            retries: 0,
+            stream,
+        })
+    }
+
+    /// Each provider's body is written straight from the request, and is
+    /// the same bytes as the API's JSON object for it (its keys sorted, as
+    /// a JSON object writes them).
+    #[test]
+    fn request_bodies_are_the_apis_json_objects() -> Result<(), String> {
+        use crate::config::Provider;
+        let (request, _) = rich_request();
+        for stream in [false, true] {
+            let http = model(Provider::Anthropic, stream)?;
+            let written = http.encode(&super::super::anthropic::body(&http, &request)).map_err(|e| e.message)?;
+            let mut expected = json!({"max_tokens": 512, "model": "m", "system": "be \"brief\"", "temperature": 0.3,
+            "tools": [{"name": "lookup", "description": "finds\nthings", "input_schema": {"type": "object"}}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "find \"ada\"\n\t\u{1}é😀"}]},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "looking"},
+                    {"type": "text", "text": ""},
+                    {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "ada \"lovelace\"", "n": [1, 2.5], "deep": {"z": null, "a": true}}},
+                    {"type": "tool_use", "id": "t2", "name": "lookup", "input": {}},
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b\""}]},
+                    {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "boom"}], "is_error": true},
+                    {"type": "text", "text": "and"},
+                    {"type": "text", "text": "more"},
+                ]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t3", "name": "lookup", "input": {}}]},
+            ]});
+            if stream {
+                expected["stream"] = json!(true);
+            }
+            assert_eq!(String::from_utf8_lossy(&written), expected.to_string(), "anthropic, stream {stream}");
+
+            let http = model(Provider::OpenAi, stream)?;
+            let written = http.encode(&super::super::openai::body(&http, &request)).map_err(|e| e.message)?;
+            let call = |id: &str, arguments: &str| json!({"id": id, "type": "function", "function": {"name": "lookup", "arguments": arguments}});
+            let mut expected = json!({"max_tokens": 512, "model": "m", "temperature": 0.3,
+            "tools": [{"type": "function", "function": {"name": "lookup", "description": "finds\nthings", "parameters": {"type": "object"}}}],
+            "messages": [
+                {"role": "system", "content": "be \"brief\""},
+                {"role": "user", "content": "find \"ada\"\n\t\u{1}é😀"},
+                {"role": "assistant", "content": "looking\n\n", "tool_calls": [
+                    call("t1", r#"{"deep":{"a":true,"z":null},"n":[1,2.5],"q":"ada \"lovelace\""}"#),
+                    call("t2", "{}"),
+                ]},
+                {"role": "tool", "tool_call_id": "t1", "content": "ab\""},
+                {"role": "tool", "tool_call_id": "t2", "content": "ERROR: boom"},
+                {"role": "user", "content": "and\n\nmore"},
+                {"role": "assistant", "content": null, "tool_calls": [call("t3", "{}")]},
+            ]});
+            if stream {
+                expected["stream"] = json!(true);
+                expected["stream_options"] = json!({"include_usage": true});
+            }
+            assert_eq!(String::from_utf8_lossy(&written), expected.to_string(), "openai, stream {stream}");
+        }
+        // Without a system prompt, tools or temperature, those keys are left out.
+        let mut http = model(Provider::Anthropic, false)?;
+        http.cfg.temperature = None;
+        let bare = ModelRequest { system: "".into(), messages: request.messages.clone(), tools: Vec::new().into() };
+        let written = http.encode(&super::super::anthropic::body(&http, &bare)).map_err(|e| e.message)?;
+        let keys: Vec<String> = serde_json::from_slice::<serde_json::Map<String, Value>>(&written)
+            .map_err(|e| e.to_string())?
+            .keys()
+            .cloned()
+            .collect();
+        assert_eq!(keys, ["max_tokens", "messages", "model"]);
+        http.cfg.provider = Provider::OpenAi;
+        let written = http.encode(&super::super::openai::body(&http, &bare)).map_err(|e| e.message)?;
+        let sent: Value = serde_json::from_slice(&written).map_err(|e| e.to_string())?;
+        assert_eq!(
+            sent.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()),
+            Some(vec!["max_tokens".into(), "messages".into(), "model".into()])
+        );
+        assert_eq!(sent["messages"][0]["role"], "user", "no system message");
+        Ok(())
     }
 }

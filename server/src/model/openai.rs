@@ -8,13 +8,15 @@
 
 use std::collections::BTreeMap;
 
+use bytes::Bytes;
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
-use serde_json::{Value, json};
+use serde::{Serialize, ser::SerializeSeq as _};
+use serde_json::Value;
 
-use super::http::{Failure, HttpModel, Wire, json_body, tool_input};
+use super::http::{Failure, HttpModel, Wire, json_body, seq, tool_input};
 use crate::{
-    domain::{AssistantReply, Block, ModelRequest, Role, Step, StopReason, ToolUse, Usage},
+    domain::{AssistantReply, Block, Message, ModelRequest, Role, Step, StopReason, ToolResult, ToolUse, Usage},
     model::{DeltaSink, Model, ModelError, ModelErrorKind},
 };
 
@@ -24,76 +26,199 @@ pub const ERROR_PREFIX: &str = "ERROR: ";
 #[derive(Debug)]
 pub(super) struct OpenAi(pub(super) HttpModel);
 
-/// The request body: exactly the post-hook request, in the API's shape.
-pub(crate) fn body(http: &HttpModel, req: &ModelRequest<'_>) -> Value {
-    let mut messages = Vec::new();
-    if !req.system.is_empty() {
-        messages.push(json!({"role": "system", "content": req.system}));
-    }
-    for m in req.messages.iter() {
-        let texts: Vec<&str> = m
-            .content
-            .iter()
-            .filter_map(|b| match b {
-                Block::Text { text } => Some(text.as_str()),
-                _ => None,
+/// The request body: exactly the post-hook request, in the API's shape,
+/// written straight from the request (keys in the order a JSON object
+/// sorts them).
+pub(crate) fn body<'a>(http: &'a HttpModel, req: &'a ModelRequest<'_>) -> impl Serialize + 'a {
+    let cfg = &http.cfg;
+    Body {
+        max_tokens: cfg.max_tokens,
+        messages: WireMessages { system: &req.system, messages: &req.messages },
+        model: &cfg.model,
+        stream: cfg.stream.then_some(true),
+        stream_options: cfg.stream.then_some(StreamOptions { include_usage: true }),
+        temperature: cfg.temperature,
+        tools: (!req.tools.is_empty()).then(|| {
+            seq(&req.tools[..], |t| WireTool {
+                function: WireFunction { description: &t.description, name: &t.name, parameters: &t.input_schema },
+                r#type: "function",
             })
-            .collect();
-        match m.role {
-            Role::User => {
-                // Tool results answer the previous assistant message's
-                // tool_calls, so they come first, one `tool` message each.
-                for b in m.content.iter() {
-                    if let Block::ToolResult(r) = b {
-                        let text = r.content.concat();
-                        let content = if r.is_error { format!("{ERROR_PREFIX}{text}") } else { text };
-                        messages.push(json!({"role": "tool", "tool_call_id": r.tool_use_id, "content": content}));
+        }),
+    }
+}
+
+#[derive(Serialize)]
+struct Body<'a, T: Serialize> {
+    max_tokens: u32,
+    messages: WireMessages<'a>,
+    model: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<StreamOptions>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<T>,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(Serialize)]
+struct WireTool<'a> {
+    function: WireFunction<'a>,
+    r#type: &'static str,
+}
+
+#[derive(Serialize)]
+struct WireFunction<'a> {
+    description: &'a str,
+    name: &'a str,
+    parameters: &'a serde_json::Map<String, Value>,
+}
+
+/// The system prompt and the conversation as the API's messages: tool
+/// results first, one `tool` message each, then a message's text.
+struct WireMessages<'a> {
+    system: &'a str,
+    messages: &'a [Message],
+}
+
+#[derive(Serialize)]
+struct Plain<C: Serialize> {
+    content: C,
+    role: &'static str,
+}
+
+#[derive(Serialize)]
+struct ToolMessage<'a> {
+    content: ToolText<'a>,
+    role: &'static str,
+    tool_call_id: &'a str,
+}
+
+#[derive(Serialize)]
+struct AssistantMessage<'a> {
+    content: Option<Texts<'a>>,
+    role: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<ToolCalls<'a>>,
+}
+
+impl Serialize for WireMessages<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(None)?;
+        if !self.system.is_empty() {
+            seq.serialize_element(&Plain { content: self.system, role: "system" })?;
+        }
+        for m in self.messages {
+            let texts = Texts(&m.content);
+            let has_text = m.content.iter().any(|b| matches!(b, Block::Text { .. }));
+            match m.role {
+                Role::User => {
+                    for b in m.content.iter() {
+                        if let Block::ToolResult(r) = b {
+                            let content = ToolText(r);
+                            seq.serialize_element(&ToolMessage {
+                                content,
+                                role: "tool",
+                                tool_call_id: &r.tool_use_id,
+                            })?;
+                        }
+                    }
+                    if has_text {
+                        seq.serialize_element(&Plain { content: texts, role: "user" })?;
                     }
                 }
-                if !texts.is_empty() {
-                    messages.push(json!({"role": "user", "content": texts.join("\n\n")}));
+                Role::Assistant => {
+                    let calls = m.content.iter().any(|b| matches!(b, Block::ToolUse(_)));
+                    let message = AssistantMessage {
+                        content: has_text.then_some(texts),
+                        role: "assistant",
+                        tool_calls: calls.then_some(ToolCalls(&m.content)),
+                    };
+                    seq.serialize_element(&message)?;
                 }
-            }
-            Role::Assistant => {
-                let calls: Vec<Value> = m
-                    .content
-                    .iter()
-                    .filter_map(|b| match b {
-                        Block::ToolUse(t) => Some(json!({
-                            "id": t.id,
-                            "type": "function",
-                            "function": {"name": t.name, "arguments": Value::Object(t.input.clone()).to_string()},
-                        })),
-                        _ => None,
-                    })
-                    .collect();
-                let content = if texts.is_empty() { Value::Null } else { json!(texts.join("\n\n")) };
-                let mut msg = json!({"role": "assistant", "content": content});
-                if !calls.is_empty() {
-                    msg["tool_calls"] = json!(calls);
-                }
-                messages.push(msg);
             }
         }
+        seq.end()
     }
-    let cfg = &http.cfg;
-    let mut body = json!({"model": cfg.model, "messages": messages, "max_tokens": cfg.max_tokens});
-    if !req.tools.is_empty() {
-        let tools: Vec<Value> = req
-            .tools
-            .iter()
-            .map(|t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}))
-            .collect();
-        body["tools"] = json!(tools);
+}
+
+/// A message's text blocks, joined by a blank line, as one string.
+#[derive(Clone, Copy)]
+struct Texts<'a>(&'a [Block]);
+
+impl std::fmt::Display for Texts<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut sep = "";
+        for b in self.0 {
+            if let Block::Text { text } = b {
+                f.write_str(sep)?;
+                f.write_str(text)?;
+                sep = "\n\n";
+            }
+        }
+        Ok(())
     }
-    if let Some(t) = cfg.temperature {
-        body["temperature"] = json!(t);
+}
+
+impl Serialize for Texts<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
-    if cfg.stream {
-        body["stream"] = json!(true);
-        body["stream_options"] = json!({"include_usage": true});
+}
+
+/// A tool result's text, marked when it is an error.
+struct ToolText<'a>(&'a ToolResult);
+
+impl std::fmt::Display for ToolText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_error {
+            f.write_str(ERROR_PREFIX)?;
+        }
+        self.0.content.iter().try_for_each(|t| f.write_str(t))
     }
-    body
+}
+
+impl Serialize for ToolText<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// An assistant message's tool calls, their input as a JSON string.
+struct ToolCalls<'a>(&'a [Block]);
+
+#[derive(Serialize)]
+struct WireCall<'a> {
+    function: CallFunction<'a>,
+    id: &'a str,
+    r#type: &'static str,
+}
+
+#[derive(Serialize)]
+struct CallFunction<'a> {
+    arguments: String,
+    name: &'a str,
+}
+
+impl Serialize for ToolCalls<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut seq = s.serialize_seq(None)?;
+        for b in self.0 {
+            if let Block::ToolUse(t) = b {
+                let arguments = serde_json::to_string(&t.input).map_err(S::Error::custom)?;
+                let function = CallFunction { arguments, name: &t.name };
+                seq.serialize_element(&WireCall { function, id: &t.id, r#type: "function" })?;
+            }
+        }
+        seq.end()
+    }
 }
 
 fn stop_reason(s: Option<&str>) -> StopReason {
@@ -144,8 +269,12 @@ fn assemble(text: String, calls: BTreeMap<u64, PartialCall>) -> Result<Vec<Block
 
 #[tonic::async_trait]
 impl Wire for OpenAi {
-    fn request(&self, http: &HttpModel, body: &Value) -> reqwest::RequestBuilder {
-        http.client.post(http.url("/v1/chat/completions")).bearer_auth(&http.cfg.api_key).json(body)
+    fn request(&self, http: &HttpModel, body: &Bytes) -> reqwest::RequestBuilder {
+        http.client
+            .post(http.url("/v1/chat/completions"))
+            .bearer_auth(&http.cfg.api_key)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(body.clone())
     }
 
     async fn read(
@@ -240,6 +369,7 @@ impl Model for OpenAi {
         step: Step<'_>,
         deltas: DeltaSink,
     ) -> Result<AssistantReply, ModelError> {
-        self.0.execute(self, &body(&self.0, request), step.scope.deadline, &deltas).await
+        let body = self.0.encode(&body(&self.0, request))?;
+        self.0.execute(self, &body, step.scope.deadline, &deltas).await
     }
 }
