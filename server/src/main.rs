@@ -125,6 +125,16 @@ enum Command {
         #[command(subcommand)]
         command: HookCommand,
     },
+    /// Print trace files (server.trace_dir) with every model request whole:
+    /// a line that continues the file's previous request gets its
+    /// `messages` back. Each file reads on its own; lines are JSON, one an
+    /// event.
+    Trace {
+        /// The files: SESSION.jsonl, and SESSION.jsonl.1 before it for
+        /// the older events.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
     /// Serve the example customer-lookup tool service.
     ExampleTools {
         /// Listen address.
@@ -259,6 +269,19 @@ fn main() -> ExitCode {
 
 async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
     match cli.command {
+        Command::Trace { files } => {
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            for file in &files {
+                let read = std::fs::File::open(file)
+                    .map_err(|e| e.to_string())
+                    .and_then(|f| lattice_server::trace::expand(std::io::BufReader::new(f), &mut out));
+                if let Err(e) = read.and_then(|()| std::io::Write::flush(&mut out).map_err(|e| e.to_string())) {
+                    eprintln!("{}: {e}", file.display());
+                    return ExitCode::FAILURE;
+                }
+            }
+            ExitCode::SUCCESS
+        }
         Command::CheckConfig { config } => match config::check(&config) {
             Ok((c, warnings)) => {
                 for w in &warnings {

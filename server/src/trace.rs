@@ -624,6 +624,45 @@ impl Reaper {
     }
 }
 
+/// Copies a trace file's lines from `file` to `out` with every model
+/// request whole: a line that continues the previous request gets its
+/// `messages` (the first `messages_kept` of that request's, then its
+/// `messages_added`). The error names the line that is not JSON, or that
+/// continues more than the file holds.
+pub fn expand(file: impl std::io::BufRead, mut out: impl std::io::Write) -> Result<(), String> {
+    let mut last: Vec<serde_json::Value> = Vec::new();
+    for (n, line) in file.lines().enumerate() {
+        let line = line.map_err(|e| e.to_string())?;
+        let at = n + 1;
+        let mut event: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| format!("line {at} is not JSON: {e}"))?;
+        if event["type"] == "model_request"
+            && let Some(request) = event.get_mut("request").and_then(serde_json::Value::as_object_mut)
+        {
+            let kept = request.remove("messages_kept").map(|k| k.as_u64().unwrap_or(u64::MAX));
+            let added = request.remove("messages_added");
+            match (kept, added) {
+                (Some(kept), Some(serde_json::Value::Array(added))) => {
+                    let head = usize::try_from(kept).ok().and_then(|k| last.get(..k)).ok_or_else(|| {
+                        format!(
+                            "line {at} continues {kept} messages of a request; the file holds {} before it",
+                            last.len()
+                        )
+                    })?;
+                    let messages: Vec<serde_json::Value> = head.iter().cloned().chain(added).collect();
+                    request.insert("messages".into(), serde_json::Value::Array(messages));
+                }
+                (None, None) => {}
+                _ => return Err(format!("line {at}: a request with messages_kept needs messages_added")),
+            }
+            last = request.get("messages").and_then(serde_json::Value::as_array).cloned().unwrap_or_default();
+        }
+        serde_json::to_writer(&mut out, &event).map_err(|e| e.to_string())?;
+        out.write_all(b"\n").map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 /// What [`append`] did with a line.
 #[derive(Debug, PartialEq, Eq)]
 enum Appended {
@@ -981,6 +1020,48 @@ mod tests {
             }
             let _ = std::fs::remove_dir_all(dir);
         }
+        Ok(())
+    }
+
+    /// `expand` gives every request its messages back, leaves other lines
+    /// as they are, and names a line that continues more than the file
+    /// holds, or is not JSON.
+    #[test]
+    fn expand_makes_every_request_whole() -> Result<(), String> {
+        let file = [
+            r#"{"type":"model_request","turn":1,"request":{"system":"s","messages":[1,2],"tools":[]}}"#,
+            r#"{"type":"tool_use","turn":1,"id":"t","name":"n"}"#,
+            r#"{"type":"model_request","turn":2,"request":{"system":"s","messages_kept":2,"messages_added":[3],"tools":[]}}"#,
+            r#"{"type":"model_request","turn":3,"request":{"system":"s","messages_kept":1,"messages_added":[4,5],"tools":[]}}"#,
+        ]
+        .join("\n");
+        let mut out = Vec::new();
+        expand(file.as_bytes(), &mut out)?;
+        let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out)
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        let messages: Vec<&serde_json::Value> = lines.iter().map(|l| &l["request"]["messages"]).collect();
+        let expected = [
+            serde_json::json!([1, 2]),
+            serde_json::Value::Null,
+            serde_json::json!([1, 2, 3]),
+            serde_json::json!([1, 4, 5]),
+        ];
+        assert_eq!(messages, expected.iter().collect::<Vec<_>>());
+        assert!(
+            lines
+                .iter()
+                .all(|l| l["request"].get("messages_kept").is_none() && l["request"].get("messages_added").is_none())
+        );
+        assert_eq!(lines[1], serde_json::json!({"type": "tool_use", "turn": 1, "id": "t", "name": "n"}));
+
+        let orphan = r#"{"type":"model_request","turn":1,"request":{"messages_kept":1,"messages_added":[]}}"#;
+        let error = expand(orphan.as_bytes(), Vec::new()).err().unwrap_or_default();
+        assert!(error.contains("line 1 continues 1 messages") && error.contains("holds 0"), "{error}");
+        let error = expand("{}\nnot json".as_bytes(), Vec::new()).err().unwrap_or_default();
+        assert!(error.starts_with("line 2 is not JSON"), "{error}");
         Ok(())
     }
 }

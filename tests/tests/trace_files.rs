@@ -124,13 +124,26 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
     assert!(streamed.iter().any(|(_, _, m)| m.iter().any(|(text, _)| text.ends_with("[shaped]"))));
     // The README's reader, in Python, reads the same requests.
     let readme = std::fs::read_to_string(lattice_tests::workspace_root().join("README.md")).unwrap();
-    let reader = readme.split("To read every request whole:\n\n```python\n").nth(1).and_then(|r| r.split("```").next());
+    let reader = readme
+        .split("To read every request whole in a program of your own:\n\n```python\n")
+        .nth(1)
+        .and_then(|r| r.split("```").next());
     let file = lattice.trace_dir.join(format!("{sid}.jsonl"));
     let script = reader.unwrap_or_default().replace("DIR/SESSION_ID.jsonl", &file.display().to_string())
         + "print(json.dumps([r['request']['messages'] for r in requests]))\n";
     let by_python: Vec<Vec<serde_json::Value>> =
         serde_json::from_str(&lattice_tests::piped("python3", &["-c", &script], b"")).unwrap();
     assert_eq!(by_python, traced.iter().map(|r| r.messages.clone()).collect::<Vec<_>>());
+    // So does `lattice trace`.
+    let expanded = std::process::Command::new(workspace_binary("lattice")).arg("trace").arg(&file).output().unwrap();
+    assert!(expanded.status.success(), "{}", String::from_utf8_lossy(&expanded.stderr));
+    let by_lattice: Vec<serde_json::Value> = String::from_utf8_lossy(&expanded.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["type"] == "model_request")
+        .map(|e| e["request"]["messages"].clone())
+        .collect();
+    assert_eq!(by_lattice, by_python.into_iter().map(serde_json::Value::from).collect::<Vec<_>>());
     let last = &traced[traced.len() - 2..];
     for r in last {
         assert!(
