@@ -160,11 +160,8 @@ async fn hook_rows(queries: usize, tools: &ToolServer) {
 
 /// Queries continuing one session as its conversation grows (memory store;
 /// each query a 1 KiB prompt, two model requests and one tool call, so four
-/// messages more): what a query costs per message of history. Each row
-/// first continues the session to its length, then measures 100 queries.
-/// First without a trace (a trace records each model request whole, and
-/// its cost per message would hide the query's own), then with one (the
-/// test harness's, rotating its files at 64 MiB).
+/// messages more): what a query costs per message of history. First without
+/// a trace, then with one (the test harness's, rotating its files at 64 MiB).
 async fn long_sessions(tools_url: &str, traced: bool) {
     let config = "[sessions]\nstore = \"memory\"\n".to_owned()
         + &cfg::agent("a", "")
@@ -172,48 +169,10 @@ async fn long_sessions(tools_url: &str, traced: bool) {
         + &cfg::turn("done", &[])
         + &cfg::tools(tools_url, 2000);
     let lattice = if traced { Lattice::start(&config).await } else { Lattice::start_untraced(&config, &[]).await };
-    let prompt = "x".repeat(1024);
-    let continued = |sid: &str| QueryOpts {
-        agent: "a".into(),
-        prompt: prompt.clone(),
-        session: Some(sid.to_owned()),
-        no_model_requests: true,
-        ..Default::default()
-    };
-    let sid = lattice.query("a", &prompt).await.session_id();
-    let mut done = 1usize;
     println!();
     let trace = if traced { "a trace" } else { "no trace" };
     println!("one session continued (memory store, {trace}; each query: 1 KiB prompt, 2 model requests, 1 tool call)");
-    println!("{:>9} {:>10} {:>10} {:>10} {:>22}", "messages", "history", "p50", "p99", "p50 more per 1,000");
-    let mut first: Option<(usize, Duration)> = None;
-    for before in [1usize, 500, 2000] {
-        while done < before {
-            lattice.query_with(continued(&sid)).await.ok();
-            done += 1;
-        }
-        let messages = 4 * done;
-        let mut times = Vec::with_capacity(100);
-        for _ in 0..100 {
-            let out = lattice.query_with(continued(&sid)).await;
-            out.ok();
-            times.push(out.elapsed);
-            done += 1;
-        }
-        times.sort();
-        let p50 = percentile(&times, 0.5);
-        let more = match first {
-            None => {
-                first = Some((messages, p50));
-                "-".to_owned()
-            }
-            Some((m0, t0)) => {
-                let per = p50.saturating_sub(t0).as_secs_f64() * 1000.0 / (messages - m0) as f64;
-                format!("{:.2?}", Duration::from_secs_f64(per))
-            }
-        };
-        println!("{messages:>9} {:>7} KiB {:>10.2?} {:>10.2?} {more:>22}", messages / 4, p50, percentile(&times, 0.99));
-    }
+    session_growth(&lattice, 1024, 4, "history", |messages| messages / 4, &[1, 500, 2000]).await;
     lattice.stop().await;
 }
 
@@ -238,7 +197,28 @@ async fn provider_sessions(provider: &str) {
         api.url
     );
     let lattice = Lattice::start_untraced(&config, &[(KEY_VAR, "sk-bench")]).await;
-    let prompt = "x".repeat(256);
+    println!();
+    println!(
+        "one session continued through {provider}'s API (a local server; memory store, no trace; each query: 256-byte prompt and answer, 1 model request)"
+    );
+    session_growth(&lattice, 256, 2, "body", |messages| messages * 300 / 1024, &[1, 1000, 4000]).await;
+    lattice.stop().await;
+}
+
+/// Continues one new session of agent `a` (prompts of `prompt_bytes`, each
+/// query adding `per_query` messages) to each of `sizes` queries, and
+/// there times 100 queries: prints a row per size with the messages, `kib`
+/// of them (the `column`), the p50, the p99, and how much the p50 grew per
+/// 1,000 messages since the first row.
+async fn session_growth(
+    lattice: &Lattice,
+    prompt_bytes: usize,
+    per_query: usize,
+    column: &str,
+    kib: impl Fn(usize) -> usize,
+    sizes: &[usize],
+) {
+    let prompt = "x".repeat(prompt_bytes);
     let continued = |sid: &str| QueryOpts {
         agent: "a".into(),
         prompt: prompt.clone(),
@@ -248,18 +228,14 @@ async fn provider_sessions(provider: &str) {
     };
     let sid = lattice.query("a", &prompt).await.session_id();
     let mut done = 1usize;
-    println!();
-    println!(
-        "one session continued through {provider}'s API (a local server; memory store, no trace; each query: 256-byte prompt and answer, 1 model request)"
-    );
-    println!("{:>9} {:>10} {:>10} {:>10} {:>22}", "messages", "body", "p50", "p99", "p50 more per 1,000");
+    println!("{:>9} {column:>10} {:>10} {:>10} {:>22}", "messages", "p50", "p99", "p50 more per 1,000");
     let mut first: Option<(usize, Duration)> = None;
-    for before in [1usize, 1000, 4000] {
+    for &before in sizes {
         while done < before {
             lattice.query_with(continued(&sid)).await.ok();
             done += 1;
         }
-        let messages = 2 * done;
+        let messages = per_query * done;
         let mut times = Vec::with_capacity(100);
         for _ in 0..100 {
             let out = lattice.query_with(continued(&sid)).await;
@@ -281,12 +257,11 @@ async fn provider_sessions(provider: &str) {
         };
         println!(
             "{messages:>9} {:>6} KiB {:>10.2?} {:>10.2?} {more:>22}",
-            messages * 300 / 1024,
+            kib(messages),
             p50,
             percentile(&times, 0.99)
         );
     }
-    lattice.stop().await;
 }
 
 /// Query latency and throughput by session store and concurrency: each
