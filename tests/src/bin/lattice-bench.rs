@@ -277,13 +277,13 @@ async fn stores(queries: usize) {
             _ => "[sessions]\nstore = \"memory\"\n",
         };
         let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
-        // No trace: it records each model request whole, and as the
-        // sessions grow that, not the store, would be what is measured.
+        // No trace: what is measured is the store.
         let lattice = std::sync::Arc::new(Lattice::start_untraced(&config, &[("BENCH_PG", &database)]).await);
         // Clients and queries each: `queries` in all; and for the memory
-        // store, whose lease copies the conversation, 16 clients whose
-        // sessions grow to 4,000 messages (PostgreSQL reads them from the
-        // database, which the commits section below measures).
+        // store, whose lease takes a list of the conversation's messages,
+        // 16 clients whose sessions grow to 4,000 messages (PostgreSQL
+        // reads what a replica does not know from the database, which the
+        // commits section below measures).
         let long = (store == "memory").then_some((16, 2000));
         for (clients, per_client) in [(1usize, queries), (16, queries / 16)].into_iter().chain(long) {
             let all = Instant::now();
