@@ -23,8 +23,9 @@
 //! conversation of the one before), so a `model_request` line records only
 //! what its request does not share with the previous `model_request` line
 //! of the same file: `messages_kept` (how many of that line's messages come
-//! first) and `messages_added` (the rest, in full). The first request of
-//! each file is whole (`messages`), so every file reads on its own. What
+//! first) and `messages_added` (the rest, in full), and `tools` only if
+//! they are not that line's. The first request of each file is whole
+//! (`messages`, `tools`), so every file reads on its own. What
 //! the two lines share is known without reading them: the messages a
 //! request shares with its query's conversation, and how much of that
 //! conversation is committed (and so begins every later query's). A
@@ -144,7 +145,14 @@ enum Record<'a> {
     Whole(&'a ModelRequest<'a>),
     /// Its messages after the first `messages_kept`, which are those of the
     /// previous `model_request` line of the same file.
-    Continued { system: &'a str, messages_kept: usize, messages_added: &'a [Message], tools: &'a [ToolSpec] },
+    Continued {
+        system: &'a str,
+        messages_kept: usize,
+        messages_added: &'a [Message],
+        /// Left out when they are the previous request's.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tools: Option<&'a [ToolSpec]>,
+    },
 }
 
 /// What a line is to the run of requests in its file.
@@ -161,7 +169,7 @@ enum LineKind {
 /// What the last `model_request` line queued for a session holds of its
 /// query's conversation: the next request's line records only what follows
 /// the part the two share.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct Chain {
     /// The query whose request it was.
     query_id: String,
@@ -170,6 +178,9 @@ struct Chain {
     /// The conversation's first `committed` messages are committed, so
     /// every later query's conversation begins with them.
     committed: usize,
+    /// The request's tools (held, so that the same list is known by its
+    /// address).
+    tools: Arc<[ToolSpec]>,
 }
 
 /// Sessions whose chain is known at most; past it they all start over
@@ -189,9 +200,17 @@ impl Chains {
 
     /// Records that `query` sends a request whose first `shared` messages
     /// are its conversation's (of which the first `history` are committed
-    /// history); returns how many of them the session's previous request
-    /// line holds first, 0 for a whole line.
-    fn extend(&self, session: &str, query: &str, shared: usize, history: usize) -> usize {
+    /// history), offering `tools`; returns how many of them the session's
+    /// previous request line holds first (0 for a whole line), and whether
+    /// that line offered the same tools.
+    fn extend(
+        &self,
+        session: &str,
+        query: &str,
+        shared: usize,
+        history: usize,
+        tools: &Arc<[ToolSpec]>,
+    ) -> (usize, bool) {
         let mut chains = self.lock();
         let (kept, committed) = match chains.get(session) {
             Some(c) if c.query_id == query => (c.sent.min(shared), c.committed),
@@ -200,6 +219,7 @@ impl Chains {
             Some(c) if c.committed <= history => (c.sent.min(c.committed).min(shared), history),
             _ => (0, history),
         };
+        let same_tools = kept > 0 && chains.get(session).is_some_and(|c| Arc::ptr_eq(&c.tools, tools));
         if chains.len() >= CHAINS_KEPT && !chains.contains_key(session) {
             chains.clear();
         }
@@ -210,12 +230,16 @@ impl Chains {
                 }
                 c.sent = shared;
                 c.committed = committed;
+                if !Arc::ptr_eq(&c.tools, tools) {
+                    c.tools = tools.clone();
+                }
             }
             None => {
-                chains.insert(session.to_owned(), Chain { query_id: query.to_owned(), sent: shared, committed });
+                let chain = Chain { query_id: query.to_owned(), sent: shared, committed, tools: tools.clone() };
+                chains.insert(session.to_owned(), chain);
             }
         }
-        kept
+        (kept, same_tools)
     }
 
     /// `query` committed the first `len` messages of its conversation.
@@ -379,15 +403,16 @@ impl Tracer {
         conversation: &[Message],
         history: usize,
     ) {
-        let kept = match &self.writer {
+        let (kept, same_tools) = match &self.writer {
             Some(w) => w.chains.extend(
                 &scope.session_id,
                 &scope.query_id,
                 shared_prefix(&request.messages, conversation),
                 history,
+                &request.tools,
             ),
             // Only the log takes it: whole.
-            None => 0,
+            None => (0, false),
         };
         let (record, kind) = match request.messages.get(kept..) {
             Some(added) if kept > 0 => (
@@ -395,7 +420,7 @@ impl Tracer {
                     system: &request.system,
                     messages_kept: kept,
                     messages_added: added,
-                    tools: &request.tools,
+                    tools: (!same_tools).then_some(&request.tools[..]),
                 }),
                 LineKind::Continued,
             ),
@@ -627,10 +652,12 @@ impl Reaper {
 /// Copies a trace file's lines from `file` to `out` with every model
 /// request whole: a line that continues the previous request gets its
 /// `messages` (the first `messages_kept` of that request's, then its
-/// `messages_added`). The error names the line that is not JSON, or that
-/// continues more than the file holds.
+/// `messages_added`) and, where it leaves them out, that request's
+/// `tools`. The error names the line that is not JSON, or that continues
+/// more than the file holds.
 pub fn expand(file: impl std::io::BufRead, mut out: impl std::io::Write) -> Result<(), String> {
     let mut last: Vec<serde_json::Value> = Vec::new();
+    let mut last_tools = serde_json::Value::Null;
     for (n, line) in file.lines().enumerate() {
         let line = line.map_err(|e| e.to_string())?;
         let at = n + 1;
@@ -651,11 +678,15 @@ pub fn expand(file: impl std::io::BufRead, mut out: impl std::io::Write) -> Resu
                     })?;
                     let messages: Vec<serde_json::Value> = head.iter().cloned().chain(added).collect();
                     request.insert("messages".into(), serde_json::Value::Array(messages));
+                    if !request.contains_key("tools") {
+                        request.insert("tools".into(), last_tools.clone());
+                    }
                 }
                 (None, None) => {}
                 _ => return Err(format!("line {at}: a request with messages_kept needs messages_added")),
             }
             last = request.get("messages").and_then(serde_json::Value::as_array).cloned().unwrap_or_default();
+            last_tools = request.get("tools").cloned().unwrap_or_default();
         }
         serde_json::to_writer(&mut out, &event).map_err(|e| e.to_string())?;
         out.write_all(b"\n").map_err(|e| e.to_string())?;
@@ -835,22 +866,38 @@ mod tests {
     #[test]
     fn a_request_continues_what_the_previous_one_shares_with_it() {
         let chains = Chains::default();
-        assert_eq!(chains.extend("s", "q1", 3, 2), 0, "the session's first request is whole");
-        assert_eq!(chains.extend("s", "q1", 5, 2), 3, "the same query: the whole previous request");
-        assert_eq!(chains.extend("s", "q1", 4, 2), 4, "a hook reshaped the fifth message");
+        let tools: Arc<[ToolSpec]> = Arc::from(Vec::new());
+        assert_eq!(chains.extend("s", "q1", 3, 2, &tools).0, 0, "the session's first request is whole");
+        assert_eq!(chains.extend("s", "q1", 5, 2, &tools).0, 3, "the same query: the whole previous request");
+        assert_eq!(chains.extend("s", "q1", 4, 2, &tools).0, 4, "a hook reshaped the fifth message");
         // q1 failed: q2's conversation shares q1's history only.
-        assert_eq!(chains.extend("s", "q2", 3, 2), 2);
+        assert_eq!(chains.extend("s", "q2", 3, 2, &tools).0, 2);
         chains.committed("s", "q2", 6);
         chains.committed("s", "q1", 9);
         // q2 committed six messages; q3 continues its whole last request.
-        assert_eq!(chains.extend("s", "q3", 7, 6), 3);
-        assert_eq!(chains.extend("s", "q3", 0, 6), 0, "nothing shared: whole");
-        assert_eq!(chains.extend("s", "q3", 8, 6), 0, "after a whole line with nothing shared");
+        assert_eq!(chains.extend("s", "q3", 7, 6, &tools).0, 3);
+        assert_eq!(chains.extend("s", "q3", 0, 6, &tools).0, 0, "nothing shared: whole");
+        assert_eq!(chains.extend("s", "q3", 8, 6, &tools).0, 0, "after a whole line with nothing shared");
         // A history shorter than what was committed is not this chain's.
-        assert_eq!(chains.extend("s", "q4", 3, 2), 0);
+        assert_eq!(chains.extend("s", "q4", 3, 2, &tools).0, 0);
         chains.end("s");
-        assert_eq!(chains.extend("s", "q4", 4, 2), 0, "an ended chain starts over");
-        assert_eq!(chains.extend("other", "q9", 4, 2), 0, "chains are per session");
+        assert_eq!(chains.extend("s", "q4", 4, 2, &tools).0, 0, "an ended chain starts over");
+        assert_eq!(chains.extend("other", "q9", 4, 2, &tools).0, 0, "chains are per session");
+    }
+
+    /// A continued line leaves the tools out when they are the same list
+    /// as its previous line's (a hook's list of equal tools is another).
+    #[test]
+    fn a_continued_line_leaves_out_the_tools_it_shares() {
+        let chains = Chains::default();
+        let spec = ToolSpec { name: "t".into(), description: "d".into(), input_schema: Default::default() };
+        let (agent, reshaped): (Arc<[ToolSpec]>, Arc<[ToolSpec]>) =
+            (Arc::from(vec![spec.clone()]), Arc::from(vec![spec]));
+        assert_eq!(chains.extend("s", "q", 1, 0, &agent), (0, false), "whole: the tools are on the line");
+        assert_eq!(chains.extend("s", "q", 2, 0, &agent), (1, true));
+        assert_eq!(chains.extend("s", "q", 3, 0, &reshaped), (2, false));
+        assert_eq!(chains.extend("s", "q", 4, 0, &agent), (3, false));
+        assert_eq!(chains.extend("s", "q", 5, 0, &agent), (4, true));
     }
 
     /// Past CHAINS_KEPT sessions every chain starts over, rather than the
@@ -858,13 +905,14 @@ mod tests {
     #[test]
     fn chains_are_kept_for_a_bounded_number_of_sessions() {
         let chains = Chains::default();
+        let tools: Arc<[ToolSpec]> = Arc::from(Vec::new());
         for i in 0..CHAINS_KEPT {
-            chains.extend(&format!("s{i}"), "q", 1, 0);
+            chains.extend(&format!("s{i}"), "q", 1, 0, &tools);
         }
-        assert_eq!(chains.extend("s0", "q", 2, 0), 1, "a known session continues");
-        assert_eq!(chains.extend("new", "q", 1, 0), 0);
+        assert_eq!(chains.extend("s0", "q", 2, 0, &tools).0, 1, "a known session continues");
+        assert_eq!(chains.extend("new", "q", 1, 0, &tools).0, 0);
         assert_eq!(chains.lock().len(), 1, "the map started over");
-        assert_eq!(chains.extend("s1", "q", 2, 0), 0);
+        assert_eq!(chains.extend("s1", "q", 2, 0, &tools).0, 0);
     }
 
     /// A file is rotated before a whole request that would take it past
@@ -1029,10 +1077,11 @@ mod tests {
     #[test]
     fn expand_makes_every_request_whole() -> Result<(), String> {
         let file = [
-            r#"{"type":"model_request","turn":1,"request":{"system":"s","messages":[1,2],"tools":[]}}"#,
+            r#"{"type":"model_request","turn":1,"request":{"system":"s","messages":[1,2],"tools":["a"]}}"#,
             r#"{"type":"tool_use","turn":1,"id":"t","name":"n"}"#,
-            r#"{"type":"model_request","turn":2,"request":{"system":"s","messages_kept":2,"messages_added":[3],"tools":[]}}"#,
-            r#"{"type":"model_request","turn":3,"request":{"system":"s","messages_kept":1,"messages_added":[4,5],"tools":[]}}"#,
+            r#"{"type":"model_request","turn":2,"request":{"system":"s","messages_kept":2,"messages_added":[3]}}"#,
+            r#"{"type":"model_request","turn":3,"request":{"system":"s","messages_kept":1,"messages_added":[4,5],"tools":["b"]}}"#,
+            r#"{"type":"model_request","turn":4,"request":{"system":"s","messages_kept":3,"messages_added":[]}}"#,
         ]
         .join("\n");
         let mut out = Vec::new();
@@ -1048,8 +1097,12 @@ mod tests {
             serde_json::Value::Null,
             serde_json::json!([1, 2, 3]),
             serde_json::json!([1, 4, 5]),
+            serde_json::json!([1, 4, 5]),
         ];
         assert_eq!(messages, expected.iter().collect::<Vec<_>>());
+        let tools: Vec<&serde_json::Value> = lines.iter().map(|l| &l["request"]["tools"]).collect();
+        let (a, b) = (serde_json::json!(["a"]), serde_json::json!(["b"]));
+        assert_eq!(tools, [&a, &serde_json::Value::Null, &a, &b, &b], "tools left out are the previous request's");
         assert!(
             lines
                 .iter()

@@ -130,10 +130,17 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
         .and_then(|r| r.split("```").next());
     let file = lattice.trace_dir.join(format!("{sid}.jsonl"));
     let script = reader.unwrap_or_default().replace("DIR/SESSION_ID.jsonl", &file.display().to_string())
-        + "print(json.dumps([r['request']['messages'] for r in requests]))\n";
-    let by_python: Vec<Vec<serde_json::Value>> =
+        + "print(json.dumps([[r['request']['messages'], r['request']['tools']] for r in requests]))\n";
+    let by_python: Vec<(Vec<serde_json::Value>, serde_json::Value)> =
         serde_json::from_str(&lattice_tests::piped("python3", &["-c", &script], b"")).unwrap();
+    let tools = &by_python[0].1.clone();
+    assert!(tools.as_array().is_some_and(|t| t.len() == 2), "the agent's two tools: {tools}");
+    assert!(by_python.iter().all(|(_, t)| t == tools), "each request offered them");
+    let by_python: Vec<Vec<serde_json::Value>> = by_python.into_iter().map(|(m, _)| m).collect();
     assert_eq!(by_python, traced.iter().map(|r| r.messages.clone()).collect::<Vec<_>>());
+    // The file holds the tools once: continued lines leave them out.
+    let raw = std::fs::read_to_string(&file).unwrap();
+    assert_eq!(raw.matches("\"tools\":").count(), 1, "{raw}");
     // So does `lattice trace`.
     let expanded = std::process::Command::new(workspace_binary("lattice")).arg("trace").arg(&file).output().unwrap();
     assert!(expanded.status.success(), "{}", String::from_utf8_lossy(&expanded.stderr));
@@ -141,6 +148,7 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter(|e| e["type"] == "model_request")
+        .inspect(|e| assert_eq!(&e["request"]["tools"], tools))
         .map(|e| e["request"]["messages"].clone())
         .collect();
     assert_eq!(by_lattice, by_python.into_iter().map(serde_json::Value::from).collect::<Vec<_>>());
