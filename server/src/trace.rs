@@ -126,17 +126,11 @@ pub enum TraceEvent<'a> {
     },
 }
 
-/// How a `model_request` line records its request: whole (what
-/// `From<&ModelRequest>` makes) or, made by [`Tracer::emit_request`] only,
-/// as it continues the file's previous request.
+/// How a `model_request` line records its request: whole, or as it
+/// continues the file's previous request. Made by [`Tracer::emit_request`]
+/// only, which keeps each session's run of requests.
 #[derive(Debug, Serialize)]
 pub struct RequestRecord<'a>(Record<'a>);
-
-impl<'a> From<&'a ModelRequest<'a>> for RequestRecord<'a> {
-    fn from(request: &'a ModelRequest<'a>) -> Self {
-        Self(Record::Whole(request))
-    }
-}
 
 #[derive(Debug, Serialize)]
 #[serde(untagged)]
@@ -424,7 +418,7 @@ impl Tracer {
                 }),
                 LineKind::Continued,
             ),
-            _ => (RequestRecord::from(request), LineKind::Whole),
+            _ => (RequestRecord(Record::Whole(request)), LineKind::Whole),
         };
         self.record(scope, TraceEvent::ModelRequest { turn, request: record }, kind).await;
     }
@@ -446,22 +440,12 @@ impl Tracer {
         }
     }
 
-    /// Records one event (a model request goes through
-    /// [`Tracer::emit_request`]). With no trace directory and the
+    /// Records one event other than a model request (whose event only
+    /// [`Tracer::emit_request`] can make). With no trace directory and the
     /// `lattice::trace` log target off (the default), nothing is built at
     /// all.
     pub async fn emit(&self, scope: &Scope, event: TraceEvent<'_>) {
-        let kind = match event {
-            TraceEvent::ModelRequest { .. } => {
-                // Not one the session's chain knows of: the next starts over.
-                if let Some(w) = &self.writer {
-                    w.chains.end(&scope.session_id);
-                }
-                LineKind::Whole
-            }
-            _ => LineKind::Other,
-        };
-        self.record(scope, event, kind).await;
+        self.record(scope, event, LineKind::Other).await;
     }
 
     async fn record(&self, scope: &Scope, event: TraceEvent<'_>, kind: LineKind) {
