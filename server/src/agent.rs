@@ -427,12 +427,12 @@ impl Runtime {
             let (messages, usage, last_text) = (&mut messages, &mut usage, &mut last_text);
             let done = async {
                 let request = ModelRequest {
-                    system: Cow::Borrowed(&agent.def.system_prompt),
+                    system: Cow::Borrowed(&*agent.def.system_prompt),
                     messages: as_request(messages),
                     tools: tools.specs.clone(),
                 };
                 let request = agent.hooks.on_model_request(ctx.step(turn), request).await?;
-                self.tracer.emit_request(scope, turn, &request, messages, history).await;
+                self.tracer.emit_request(scope, turn, &request, &agent.def.system_prompt, messages, history).await;
                 if ctx.include_model_requests {
                     ctx.send(Event::ModelRequest { turn, request: &request }).await?;
                 }

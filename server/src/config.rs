@@ -552,8 +552,9 @@ pub struct AgentDef {
     pub name: String,
     /// What it is for.
     pub description: String,
-    /// The system prompt.
-    pub system_prompt: String,
+    /// The system prompt (shared, so that what holds it knows it by its
+    /// address).
+    pub system_prompt: std::sync::Arc<str>,
     /// Its model.
     pub model: ModelConfig,
     /// Model requests per query.
@@ -1586,7 +1587,7 @@ impl Validator<'_> {
         AgentDef {
             name,
             description: a.description,
-            system_prompt: a.system_prompt,
+            system_prompt: a.system_prompt.into(),
             model,
             max_turns,
             parallel_tool_calls,

@@ -23,9 +23,10 @@
 //! conversation of the one before), so a `model_request` line records only
 //! what its request does not share with the previous `model_request` line
 //! of the same file: `messages_kept` (how many of that line's messages come
-//! first) and `messages_added` (the rest, in full), and `tools` only if
-//! they are not that line's. The first request of each file is whole
-//! (`messages`, `tools`), so every file reads on its own. What
+//! first) and `messages_added` (the rest, in full), and `system` and
+//! `tools` only if they are not that line's. The first request of each
+//! file is whole (`system`, `messages`, `tools`), so every file reads on
+//! its own. What
 //! the two lines share is known without reading them: the messages a
 //! request shares with its query's conversation, and how much of that
 //! conversation is committed (and so begins every later query's). A
@@ -140,7 +141,9 @@ enum Record<'a> {
     /// Its messages after the first `messages_kept`, which are those of the
     /// previous `model_request` line of the same file.
     Continued {
-        system: &'a str,
+        /// Left out when it is the previous request's.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        system: Option<&'a str>,
         messages_kept: usize,
         messages_added: &'a [Message],
         /// Left out when they are the previous request's.
@@ -175,6 +178,21 @@ struct Chain {
     /// The request's tools (held, so that the same list is known by its
     /// address).
     tools: Arc<[ToolSpec]>,
+    /// The request's system prompt where it was its agent's (held, so that
+    /// the same prompt is known by its address); `None` where a hook
+    /// replaced it.
+    system: Option<Arc<str>>,
+}
+
+/// What a request's line shares with the session's previous line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Sharing {
+    /// How many messages that line holds first (0: the line is whole).
+    kept: usize,
+    /// Whether it offered the same tools.
+    tools: bool,
+    /// Whether it had the same system prompt, its agent's.
+    system: bool,
 }
 
 /// Sessions whose chain is known at most; past it they all start over
@@ -194,9 +212,9 @@ impl Chains {
 
     /// Records that `query` sends a request whose first `shared` messages
     /// are its conversation's (of which the first `history` are committed
-    /// history), offering `tools`; returns how many of them the session's
-    /// previous request line holds first (0 for a whole line), and whether
-    /// that line offered the same tools.
+    /// history), offering `tools`, with `system` where its system prompt is
+    /// its agent's; returns what the session's previous request line shares
+    /// with it.
     fn extend(
         &self,
         session: &str,
@@ -204,7 +222,8 @@ impl Chains {
         shared: usize,
         history: usize,
         tools: &Arc<[ToolSpec]>,
-    ) -> (usize, bool) {
+        system: Option<&Arc<str>>,
+    ) -> Sharing {
         let mut chains = self.lock();
         let (kept, committed) = match chains.get(session) {
             Some(c) if c.query_id == query => (c.sent.min(shared), c.committed),
@@ -213,7 +232,12 @@ impl Chains {
             Some(c) if c.committed <= history => (c.sent.min(c.committed).min(shared), history),
             _ => (0, history),
         };
-        let same_tools = kept > 0 && chains.get(session).is_some_and(|c| Arc::ptr_eq(&c.tools, tools));
+        let previous = chains.get(session).filter(|_| kept > 0);
+        let same = Sharing {
+            kept,
+            tools: previous.is_some_and(|c| Arc::ptr_eq(&c.tools, tools)),
+            system: previous.and_then(|c| c.system.as_ref()).zip(system).is_some_and(|(a, b)| Arc::ptr_eq(a, b)),
+        };
         if chains.len() >= CHAINS_KEPT && !chains.contains_key(session) {
             chains.clear();
         }
@@ -227,13 +251,22 @@ impl Chains {
                 if !Arc::ptr_eq(&c.tools, tools) {
                     c.tools = tools.clone();
                 }
+                if !same.system {
+                    c.system = system.cloned();
+                }
             }
             None => {
-                let chain = Chain { query_id: query.to_owned(), sent: shared, committed, tools: tools.clone() };
+                let chain = Chain {
+                    query_id: query.to_owned(),
+                    sent: shared,
+                    committed,
+                    tools: tools.clone(),
+                    system: system.cloned(),
+                };
                 chains.insert(session.to_owned(), chain);
             }
         }
-        (kept, same_tools)
+        same
     }
 
     /// `query` committed the first `len` messages of its conversation.
@@ -384,37 +417,46 @@ impl Tracer {
         }
     }
 
-    /// Records a model request as sent, after the hooks: `conversation` is
-    /// the query's conversation as it stands (the request's messages before
-    /// the hooks), of which the first `history` are the session's committed
-    /// history. In a trace file, the line holds only the messages after
-    /// those it shares with the file's previous request.
+    /// Records a model request as sent, after the hooks: `prompt` is its
+    /// agent's system prompt, `conversation` the query's conversation as it
+    /// stands (the request's messages before the hooks), of which the first
+    /// `history` are the session's committed history. In a trace file, the
+    /// line holds only the messages after those it shares with the file's
+    /// previous request, and its system prompt and tools only where they
+    /// are not that request's.
     pub async fn emit_request(
         &self,
         scope: &Scope,
         turn: u32,
         request: &ModelRequest<'_>,
+        prompt: &Arc<str>,
         conversation: &[Message],
         history: usize,
     ) {
-        let (kept, same_tools) = match &self.writer {
-            Some(w) => w.chains.extend(
-                &scope.session_id,
-                &scope.query_id,
-                shared_prefix(&request.messages, conversation),
-                history,
-                &request.tools,
-            ),
+        let shared = match &self.writer {
+            Some(w) => {
+                // The agent's prompt, unless a hook replaced it.
+                let agents = matches!(&request.system, std::borrow::Cow::Borrowed(s) if std::ptr::eq(*s, &**prompt));
+                w.chains.extend(
+                    &scope.session_id,
+                    &scope.query_id,
+                    shared_prefix(&request.messages, conversation),
+                    history,
+                    &request.tools,
+                    agents.then_some(prompt),
+                )
+            }
             // Only the log takes it: whole.
-            None => (0, false),
+            None => Sharing { kept: 0, tools: false, system: false },
         };
+        let kept = shared.kept;
         let (record, kind) = match request.messages.get(kept..) {
             Some(added) if kept > 0 => (
                 RequestRecord(Record::Continued {
-                    system: &request.system,
+                    system: (!shared.system).then_some(&request.system),
                     messages_kept: kept,
                     messages_added: added,
-                    tools: (!same_tools).then_some(&request.tools[..]),
+                    tools: (!shared.tools).then_some(&request.tools[..]),
                 }),
                 LineKind::Continued,
             ),
@@ -636,12 +678,13 @@ impl Reaper {
 /// Copies a trace file's lines from `file` to `out` with every model
 /// request whole: a line that continues the previous request gets its
 /// `messages` (the first `messages_kept` of that request's, then its
-/// `messages_added`) and, where it leaves them out, that request's
-/// `tools`. The error names the line that is not JSON, or that continues
-/// more than the file holds.
+/// `messages_added`) and, where it leaves them out, that request's `system`
+/// and `tools`. The error names the line that is not JSON, or that
+/// continues more than the file holds.
 pub fn expand(file: impl std::io::BufRead, mut out: impl std::io::Write) -> Result<(), String> {
     let mut last: Vec<serde_json::Value> = Vec::new();
     let mut last_tools = serde_json::Value::Null;
+    let mut last_system = serde_json::Value::Null;
     for (n, line) in file.lines().enumerate() {
         let line = line.map_err(|e| e.to_string())?;
         let at = n + 1;
@@ -665,12 +708,16 @@ pub fn expand(file: impl std::io::BufRead, mut out: impl std::io::Write) -> Resu
                     if !request.contains_key("tools") {
                         request.insert("tools".into(), last_tools.clone());
                     }
+                    if !request.contains_key("system") {
+                        request.insert("system".into(), last_system.clone());
+                    }
                 }
                 (None, None) => {}
                 _ => return Err(format!("line {at}: a request with messages_kept needs messages_added")),
             }
             last = request.get("messages").and_then(serde_json::Value::as_array).cloned().unwrap_or_default();
             last_tools = request.get("tools").cloned().unwrap_or_default();
+            last_system = request.get("system").cloned().unwrap_or_default();
         }
         serde_json::to_writer(&mut out, &event).map_err(|e| e.to_string())?;
         out.write_all(b"\n").map_err(|e| e.to_string())?;
@@ -851,37 +898,46 @@ mod tests {
     fn a_request_continues_what_the_previous_one_shares_with_it() {
         let chains = Chains::default();
         let tools: Arc<[ToolSpec]> = Arc::from(Vec::new());
-        assert_eq!(chains.extend("s", "q1", 3, 2, &tools).0, 0, "the session's first request is whole");
-        assert_eq!(chains.extend("s", "q1", 5, 2, &tools).0, 3, "the same query: the whole previous request");
-        assert_eq!(chains.extend("s", "q1", 4, 2, &tools).0, 4, "a hook reshaped the fifth message");
+        assert_eq!(chains.extend("s", "q1", 3, 2, &tools, None).kept, 0, "the session's first request is whole");
+        assert_eq!(chains.extend("s", "q1", 5, 2, &tools, None).kept, 3, "the same query: the whole previous request");
+        assert_eq!(chains.extend("s", "q1", 4, 2, &tools, None).kept, 4, "a hook reshaped the fifth message");
         // q1 failed: q2's conversation shares q1's history only.
-        assert_eq!(chains.extend("s", "q2", 3, 2, &tools).0, 2);
+        assert_eq!(chains.extend("s", "q2", 3, 2, &tools, None).kept, 2);
         chains.committed("s", "q2", 6);
         chains.committed("s", "q1", 9);
         // q2 committed six messages; q3 continues its whole last request.
-        assert_eq!(chains.extend("s", "q3", 7, 6, &tools).0, 3);
-        assert_eq!(chains.extend("s", "q3", 0, 6, &tools).0, 0, "nothing shared: whole");
-        assert_eq!(chains.extend("s", "q3", 8, 6, &tools).0, 0, "after a whole line with nothing shared");
+        assert_eq!(chains.extend("s", "q3", 7, 6, &tools, None).kept, 3);
+        assert_eq!(chains.extend("s", "q3", 0, 6, &tools, None).kept, 0, "nothing shared: whole");
+        assert_eq!(chains.extend("s", "q3", 8, 6, &tools, None).kept, 0, "after a whole line with nothing shared");
         // A history shorter than what was committed is not this chain's.
-        assert_eq!(chains.extend("s", "q4", 3, 2, &tools).0, 0);
+        assert_eq!(chains.extend("s", "q4", 3, 2, &tools, None).kept, 0);
         chains.end("s");
-        assert_eq!(chains.extend("s", "q4", 4, 2, &tools).0, 0, "an ended chain starts over");
-        assert_eq!(chains.extend("other", "q9", 4, 2, &tools).0, 0, "chains are per session");
+        assert_eq!(chains.extend("s", "q4", 4, 2, &tools, None).kept, 0, "an ended chain starts over");
+        assert_eq!(chains.extend("other", "q9", 4, 2, &tools, None).kept, 0, "chains are per session");
     }
 
     /// A continued line leaves the tools out when they are the same list
-    /// as its previous line's (a hook's list of equal tools is another).
+    /// as its previous line's (a hook's list of equal tools is another),
+    /// and the system prompt when both are their agent's same prompt (one a
+    /// hook replaced is not the agent's, whatever its text).
     #[test]
-    fn a_continued_line_leaves_out_the_tools_it_shares() {
+    fn a_continued_line_leaves_out_the_tools_and_prompt_it_shares() {
         let chains = Chains::default();
         let spec = ToolSpec { name: "t".into(), description: "d".into(), input_schema: Default::default() };
         let (agent, reshaped): (Arc<[ToolSpec]>, Arc<[ToolSpec]>) =
             (Arc::from(vec![spec.clone()]), Arc::from(vec![spec]));
-        assert_eq!(chains.extend("s", "q", 1, 0, &agent), (0, false), "whole: the tools are on the line");
-        assert_eq!(chains.extend("s", "q", 2, 0, &agent), (1, true));
-        assert_eq!(chains.extend("s", "q", 3, 0, &reshaped), (2, false));
-        assert_eq!(chains.extend("s", "q", 4, 0, &agent), (3, false));
-        assert_eq!(chains.extend("s", "q", 5, 0, &agent), (4, true));
+        let (prompt, reloaded): (Arc<str>, Arc<str>) = (Arc::from("be brief"), Arc::from("be brief"));
+        let sharing = |kept, tools, system| Sharing { kept, tools, system };
+        let extend = |n, tools, system| chains.extend("s", "q", n, 0, tools, system);
+        assert_eq!(extend(1, &agent, Some(&prompt)), sharing(0, false, false), "whole: both are on the line");
+        assert_eq!(extend(2, &agent, Some(&prompt)), sharing(1, true, true));
+        assert_eq!(extend(3, &reshaped, None), sharing(2, false, false));
+        assert_eq!(extend(4, &agent, Some(&prompt)), sharing(3, false, false));
+        assert_eq!(extend(5, &agent, Some(&prompt)), sharing(4, true, true));
+        assert_eq!(extend(6, &agent, Some(&reloaded)), sharing(5, true, false), "another agent's prompt");
+        assert_eq!(extend(7, &agent, Some(&reloaded)), sharing(6, true, true));
+        assert_eq!(extend(8, &agent, None), sharing(7, true, false));
+        assert_eq!(extend(9, &agent, None), sharing(8, true, false), "a hook's prompt is never left out");
     }
 
     /// Past CHAINS_KEPT sessions every chain starts over, rather than the
@@ -891,12 +947,12 @@ mod tests {
         let chains = Chains::default();
         let tools: Arc<[ToolSpec]> = Arc::from(Vec::new());
         for i in 0..CHAINS_KEPT {
-            chains.extend(&format!("s{i}"), "q", 1, 0, &tools);
+            chains.extend(&format!("s{i}"), "q", 1, 0, &tools, None);
         }
-        assert_eq!(chains.extend("s0", "q", 2, 0, &tools).0, 1, "a known session continues");
-        assert_eq!(chains.extend("new", "q", 1, 0, &tools).0, 0);
+        assert_eq!(chains.extend("s0", "q", 2, 0, &tools, None).kept, 1, "a known session continues");
+        assert_eq!(chains.extend("new", "q", 1, 0, &tools, None).kept, 0);
         assert_eq!(chains.lock().len(), 1, "the map started over");
-        assert_eq!(chains.extend("s1", "q", 2, 0, &tools).0, 0);
+        assert_eq!(chains.extend("s1", "q", 2, 0, &tools, None).kept, 0);
     }
 
     /// A file is rotated before a whole request that would take it past
@@ -931,8 +987,13 @@ mod tests {
         std::fs::remove_dir_all(dir)
     }
 
-    fn request(messages: &[Message]) -> ModelRequest<'_> {
-        ModelRequest { system: "sys".into(), messages: messages.into(), tools: Arc::from(Vec::new()) }
+    /// A request with the agent's `prompt`.
+    fn request<'a>(prompt: &'a str, messages: &'a [Message]) -> ModelRequest<'a> {
+        ModelRequest {
+            system: std::borrow::Cow::Borrowed(prompt),
+            messages: messages.into(),
+            tools: Arc::from(Vec::new()),
+        }
     }
 
     /// A request as a file holds it: its query and turn, and its messages.
@@ -978,8 +1039,10 @@ mod tests {
     }
 
     /// Requests over four queries (one of them failed, one reshaped by a
-    /// hook) read back from the file as they were sent, while the file
-    /// holds far fewer messages than they sent; a small limit rotates the
+    /// hook, which also replaced its system prompt) read back from the file
+    /// as they were sent, while the file holds far fewer messages than they
+    /// sent, and the agent's prompt only where the previous line did not
+    /// have it; a small limit rotates the
     /// file, and each file still reads on its own. (With the limit, the
     /// writer is waited for after each request: a rotation then never
     /// drops one.)
@@ -994,6 +1057,9 @@ mod tests {
                 max_age: Duration::from_secs(60),
             };
             let tracer = Tracer::start(settings)?;
+            let prompt: Arc<str> = Arc::from("be brief");
+            // Each request's system prompt, as sent.
+            let mut systems: Vec<String> = Vec::new();
             let at = |query: &str| Scope { query_id: query.into(), ..scope() };
             let text = |i: usize| Message::user_text(format!("message number {i} of the conversation"));
             let mut sent: Vec<Read> = Vec::new();
@@ -1012,11 +1078,14 @@ mod tests {
                             .enumerate()
                             .map(|(i, m)| if i == 1 { text(999) } else { m.clone() })
                             .collect();
-                        request(&reshaped)
+                        let mut request = request(&prompt, &reshaped);
+                        request.system = std::borrow::Cow::Owned("be brief, redacted".into());
+                        request
                     } else {
-                        request(&conversation)
+                        request(&prompt, &conversation)
                     };
-                    tracer.emit_request(&scope, turn, &request, &conversation, history).await;
+                    tracer.emit_request(&scope, turn, &request, &prompt, &conversation, history).await;
+                    systems.push(request.system.to_string());
                     sent.push(((scope.query_id.clone(), u64::from(turn)), as_json(&request.messages)));
                     if rotated {
                         // A writer that keeps up.
@@ -1044,6 +1113,19 @@ mod tests {
                 assert_eq!(read, sent, "every request, in order");
                 let total: usize = sent.iter().map(|(_, m)| m.len()).sum();
                 assert!(recorded * 2 < total, "{recorded} messages recorded for {total} sent");
+                // The prompt: on the first line, the hook's, and the line
+                // after the hook's; `expand` gives each request its own.
+                let raw = std::fs::read_to_string(dir.join("s.jsonl")).map_err(|e| e.to_string())?;
+                assert_eq!(raw.matches(r#""system":"#).count(), 3, "{raw}");
+                let mut whole = Vec::new();
+                expand(raw.as_bytes(), &mut whole)?;
+                let expanded: Vec<serde_json::Value> = String::from_utf8_lossy(&whole)
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .filter(|e| e["type"] == "model_request")
+                    .map(|e| e["request"]["system"].clone())
+                    .collect();
+                assert_eq!(expanded, systems.iter().map(|s| serde_json::json!(s)).collect::<Vec<_>>());
             } else {
                 // Rotated only before whole requests: none was dropped, and
                 // both files hold some.
@@ -1055,17 +1137,17 @@ mod tests {
         Ok(())
     }
 
-    /// `expand` gives every request its messages back, leaves other lines
-    /// as they are, and names a line that continues more than the file
-    /// holds, or is not JSON.
+    /// `expand` gives every request its messages, prompt and tools back,
+    /// leaves other lines as they are, and names a line that continues more
+    /// than the file holds, or is not JSON.
     #[test]
     fn expand_makes_every_request_whole() -> Result<(), String> {
         let file = [
             r#"{"type":"model_request","turn":1,"request":{"system":"s","messages":[1,2],"tools":["a"]}}"#,
             r#"{"type":"tool_use","turn":1,"id":"t","name":"n"}"#,
-            r#"{"type":"model_request","turn":2,"request":{"system":"s","messages_kept":2,"messages_added":[3]}}"#,
-            r#"{"type":"model_request","turn":3,"request":{"system":"s","messages_kept":1,"messages_added":[4,5],"tools":["b"]}}"#,
-            r#"{"type":"model_request","turn":4,"request":{"system":"s","messages_kept":3,"messages_added":[]}}"#,
+            r#"{"type":"model_request","turn":2,"request":{"messages_kept":2,"messages_added":[3]}}"#,
+            r#"{"type":"model_request","turn":3,"request":{"system":"t","messages_kept":1,"messages_added":[4,5],"tools":["b"]}}"#,
+            r#"{"type":"model_request","turn":4,"request":{"messages_kept":3,"messages_added":[]}}"#,
         ]
         .join("\n");
         let mut out = Vec::new();
@@ -1087,6 +1169,9 @@ mod tests {
         let tools: Vec<&serde_json::Value> = lines.iter().map(|l| &l["request"]["tools"]).collect();
         let (a, b) = (serde_json::json!(["a"]), serde_json::json!(["b"]));
         assert_eq!(tools, [&a, &serde_json::Value::Null, &a, &b, &b], "tools left out are the previous request's");
+        let systems: Vec<&serde_json::Value> = lines.iter().map(|l| &l["request"]["system"]).collect();
+        let (s, t) = (serde_json::json!("s"), serde_json::json!("t"));
+        assert_eq!(systems, [&s, &serde_json::Value::Null, &s, &t, &t], "a prompt left out is the previous request's");
         assert!(
             lines
                 .iter()

@@ -63,16 +63,17 @@ fn streamed_message(m: &pb::Message) -> (String, usize) {
 }
 
 /// Over a session's queries (the tool's result, a hook that reshapes some
-/// requests, a query that fails midway), the trace file gives back each
-/// request the model was sent, while each line holds only what the
-/// request adds to the one before: the last query's lines hold a few
-/// messages each, however long the conversation.
+/// requests and replaces one query's system prompt, a query that fails
+/// midway), the trace file gives back each request the model was sent,
+/// while each line holds only what the request adds to the one before: the
+/// last query's lines hold a few messages each, however long the
+/// conversation, and the agent's prompt and tools are on few lines.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new() {
     let (tools, _tools) = lattice_tests::start_example_tools().await;
     let shaper = HookServer::start(Behaviour::default()).await;
     let results = HookServer::start(Behaviour::default()).await;
-    let config = cfg::agent("a", "")
+    let config = cfg::agent("a", "system_prompt = \"Answer in one line.\"")
         + &cfg::turn("looking", &["lookup_customer:{ query = \"c-100\" }"])
         + &cfg::turn("done", &[])
         + &cfg::tools(&tools, 5000)
@@ -81,15 +82,18 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
     let lattice = Lattice::spawn(&config, &[]).await;
     let mut sid: Option<String> = None;
     let mut streamed: Vec<Request> = Vec::new();
+    // Each request's system prompt, as streamed.
+    let mut systems: Vec<String> = Vec::new();
     for i in 0..12 {
-        // Queries 4-5 reach the model reshaped; query 8 fails after its
-        // first request (the tool result's hook fails), so the next query
-        // continues a conversation without its messages.
+        // Queries 4-5 reach the model reshaped, query 6 with the hook's
+        // system prompt; query 8 fails after its first request (the tool
+        // result's hook fails), so the next query continues a conversation
+        // without its messages.
         shaper.state.set(Behaviour {
-            on_request: if (4..6).contains(&i) {
-                OnRequest::AppendToLastText(" [shaped]".into())
-            } else {
-                OnRequest::Keep
+            on_request: match i {
+                4 | 5 => OnRequest::AppendToLastText(" [shaped]".into()),
+                6 => OnRequest::AppendSystem(" [hooked]".into()),
+                _ => OnRequest::Keep,
             },
             ..Default::default()
         });
@@ -108,6 +112,7 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
         }
         sid.get_or_insert(out.session_id());
         for r in out.model_requests() {
+            systems.push(r.system.clone());
             streamed.push((
                 out.query_id(),
                 u64::from(r.turn),
@@ -130,17 +135,22 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
         .and_then(|r| r.split("```").next());
     let file = lattice.trace_dir.join(format!("{sid}.jsonl"));
     let script = reader.unwrap_or_default().replace("DIR/SESSION_ID.jsonl", &file.display().to_string())
-        + "print(json.dumps([[r['request']['messages'], r['request']['tools']] for r in requests]))\n";
-    let by_python: Vec<(Vec<serde_json::Value>, serde_json::Value)> =
+        + "print(json.dumps([[r['request']['messages'], r['request']['tools'], r['request']['system']] for r in requests]))\n";
+    let by_python: Vec<(Vec<serde_json::Value>, serde_json::Value, String)> =
         serde_json::from_str(&lattice_tests::piped("python3", &["-c", &script], b"")).unwrap();
     let tools = &by_python[0].1.clone();
     assert!(tools.as_array().is_some_and(|t| t.len() == 2), "the agent's two tools: {tools}");
-    assert!(by_python.iter().all(|(_, t)| t == tools), "each request offered them");
-    let by_python: Vec<Vec<serde_json::Value>> = by_python.into_iter().map(|(m, _)| m).collect();
+    assert!(by_python.iter().all(|(_, t, _)| t == tools), "each request offered them");
+    assert_eq!(by_python.iter().map(|(_, _, s)| s.clone()).collect::<Vec<_>>(), systems);
+    assert_eq!(systems.iter().filter(|s| s.ends_with("[hooked]")).count(), 2, "query 6's two requests");
+    let by_python: Vec<Vec<serde_json::Value>> = by_python.into_iter().map(|(m, _, _)| m).collect();
     assert_eq!(by_python, traced.iter().map(|r| r.messages.clone()).collect::<Vec<_>>());
-    // The file holds the tools once: continued lines leave them out.
+    // The file holds the tools once: continued lines leave them out. The
+    // agent's prompt is on the first line and the one after query 6's two
+    // (its hook's prompt is on both of them).
     let raw = std::fs::read_to_string(&file).unwrap();
     assert_eq!(raw.matches("\"tools\":").count(), 1, "{raw}");
+    assert_eq!(raw.matches("\"system\":").count(), 4, "{raw}");
     // So does `lattice trace`.
     let expanded = std::process::Command::new(workspace_binary("lattice")).arg("trace").arg(&file).output().unwrap();
     assert!(expanded.status.success(), "{}", String::from_utf8_lossy(&expanded.stderr));
@@ -149,6 +159,7 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter(|e| e["type"] == "model_request")
         .inspect(|e| assert_eq!(&e["request"]["tools"], tools))
+        .inspect(|e| assert!(e["request"]["system"].as_str().is_some_and(|s| s.starts_with("Answer in one line."))))
         .map(|e| e["request"]["messages"].clone())
         .collect();
     assert_eq!(by_lattice, by_python.into_iter().map(serde_json::Value::from).collect::<Vec<_>>());
