@@ -347,12 +347,20 @@ enum Op {
 #[derive(Debug)]
 struct Writer {
     tx: mpsc::SyncSender<Op>,
+    shared: Arc<Shared>,
+}
+
+/// What the writer thread shares with the tracers.
+#[derive(Debug, Default)]
+struct Shared {
+    /// Lines not written: a full queue, or a request whose file no longer
+    /// holds the one it continues (shared with a metric).
     dropped: Arc<AtomicUsize>,
     /// Set when a flush was not answered in time; cleared when the writer
     /// finishes something.
-    stalled: Arc<AtomicBool>,
+    stalled: AtomicBool,
     /// Each session's run of requests in its file.
-    chains: Arc<Chains>,
+    chains: Chains,
 }
 
 /// The trace sink.
@@ -385,9 +393,8 @@ impl Tracer {
             )
         })?;
         let (tx, rx) = mpsc::sync_channel(settings.queue_events.max(1));
-        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default(), chains: Arc::default() });
-        let shared =
-            Shared { stalled: writer.stalled.clone(), dropped: writer.dropped.clone(), chains: writer.chains.clone() };
+        let shared = Arc::new(Shared::default());
+        let writer = Arc::new(Writer { tx, shared: shared.clone() });
         std::thread::Builder::new()
             .name("lattice-trace".into())
             .spawn(move || write_loop(settings, rx, shared))
@@ -395,15 +402,16 @@ impl Tracer {
         Ok(Self { writer: Some(writer) })
     }
 
-    /// Events dropped because the queue was full, shared, for a metric.
+    /// Lines not written (a full queue, or a continued request whose file
+    /// no longer holds the one it continues), shared, for a metric.
     pub fn dropped(&self) -> Option<Arc<AtomicUsize>> {
-        self.writer.as_ref().map(|w| w.dropped.clone())
+        self.writer.as_ref().map(|w| w.shared.dropped.clone())
     }
 
     /// Deletes a session's trace files, if this replica wrote any.
     pub async fn delete(&self, session_id: &str) {
         if let Some(w) = &self.writer {
-            w.chains.end(session_id);
+            w.shared.chains.end(session_id);
             w.send(Op::Delete(session_id.to_owned()));
         }
     }
@@ -413,7 +421,7 @@ impl Tracer {
     /// this one's last.
     pub fn committed(&self, scope: &Scope, len: usize) {
         if let Some(w) = &self.writer {
-            w.chains.committed(&scope.session_id, &scope.query_id, len);
+            w.shared.chains.committed(&scope.session_id, &scope.query_id, len);
         }
     }
 
@@ -437,7 +445,7 @@ impl Tracer {
             Some(w) => {
                 // The agent's prompt, unless a hook replaced it.
                 let agents = matches!(&request.system, std::borrow::Cow::Borrowed(s) if std::ptr::eq(*s, &**prompt));
-                w.chains.extend(
+                w.shared.chains.extend(
                     &scope.session_id,
                     &scope.query_id,
                     shared_prefix(&request.messages, conversation),
@@ -469,7 +477,7 @@ impl Tracer {
     /// [`FLUSH_WAIT`], and not at all while the writer is stalled.
     pub async fn flush(&self) {
         let Some(w) = &self.writer else { return };
-        if w.stalled.load(Ordering::Relaxed) {
+        if w.shared.stalled.load(Ordering::Relaxed) {
             return;
         }
         let (done, written) = tokio::sync::oneshot::channel();
@@ -477,7 +485,7 @@ impl Tracer {
             return;
         }
         if tokio::time::timeout(FLUSH_WAIT, written).await.is_err() {
-            w.stalled.store(true, Ordering::Relaxed);
+            w.shared.stalled.store(true, Ordering::Relaxed);
             warn!("trace writer stalled: trace events are dropped until it catches up");
         }
     }
@@ -518,7 +526,7 @@ impl Tracer {
             json.push('\n');
             if !w.send(Op::Line { session: scope.session_id.clone(), line: json, kind }) && kind != LineKind::Other {
                 // The file will not hold this request: the next is whole.
-                w.chains.end(&scope.session_id);
+                w.shared.chains.end(&scope.session_id);
             }
         }
     }
@@ -533,7 +541,7 @@ impl Writer {
             Ok(()) => true,
             Err(_) => {
                 if line {
-                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    self.shared.dropped.fetch_add(1, Ordering::Relaxed);
                 }
                 false
             }
@@ -541,16 +549,9 @@ impl Writer {
     }
 }
 
-/// What the writer shares with the tracers.
-struct Shared {
-    stalled: Arc<AtomicBool>,
-    dropped: Arc<AtomicUsize>,
-    chains: Arc<Chains>,
-}
-
 /// The writer thread: one op at a time, in order; ends when every sender
 /// is gone.
-fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, shared: Shared) {
+fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, shared: Arc<Shared>) {
     let reaper = Reaper::start();
     let mut swept = SystemTime::now();
     // Sessions whose file does not hold the request their next continued
@@ -567,32 +568,32 @@ fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, shared: Shared) {
                 } else {
                     append(&path, &line, kind, settings.max_file_bytes, &reaper)
                 };
-                match written {
+                // Whether the file no longer holds what the session's next
+                // continued line would continue.
+                let broke = match written {
                     Ok(Appended::Written { size, chain_kept }) => {
                         if kind == LineKind::Whole {
                             broken.remove(&session);
                         }
-                        if !chain_kept {
-                            broken.insert(session.clone());
-                            shared.chains.end(&session);
-                        } else if size >= settings.max_file_bytes {
+                        if chain_kept && size >= settings.max_file_bytes {
                             // Its next request is whole, and the file is
                             // rotated before it.
                             shared.chains.end(&session);
                         }
+                        !chain_kept
                     }
                     Ok(Appended::Orphan) => {
                         shared.dropped.fetch_add(1, Ordering::Relaxed);
-                        broken.insert(session.clone());
-                        shared.chains.end(&session);
+                        true
                     }
                     Err(e) => {
                         warn!(path = %path.display(), error = %e, "cannot write trace file");
-                        if kind != LineKind::Other {
-                            broken.insert(session.clone());
-                            shared.chains.end(&session);
-                        }
+                        kind != LineKind::Other
                     }
+                };
+                if broke {
+                    shared.chains.end(&session);
+                    broken.insert(session);
                 }
             }
             Op::Delete(session) => {
@@ -682,45 +683,47 @@ impl Reaper {
 /// and `tools`. The error names the line that is not JSON, or that
 /// continues more than the file holds.
 pub fn expand(file: impl std::io::BufRead, mut out: impl std::io::Write) -> Result<(), String> {
-    let mut last: Vec<serde_json::Value> = Vec::new();
-    let mut last_tools = serde_json::Value::Null;
-    let mut last_system = serde_json::Value::Null;
+    // The file's previous request, whole.
+    let mut previous = serde_json::Map::new();
     for (n, line) in file.lines().enumerate() {
         let line = line.map_err(|e| e.to_string())?;
         let at = n + 1;
         let mut event: serde_json::Value =
             serde_json::from_str(&line).map_err(|e| format!("line {at} is not JSON: {e}"))?;
-        if event["type"] == "model_request"
-            && let Some(request) = event.get_mut("request").and_then(serde_json::Value::as_object_mut)
+        let is_request = event["type"] == "model_request";
+        if let Some(request) =
+            event.get_mut("request").filter(|_| is_request).and_then(serde_json::Value::as_object_mut)
         {
             let kept = request.remove("messages_kept").map(|k| k.as_u64().unwrap_or(u64::MAX));
             let added = request.remove("messages_added");
             match (kept, added) {
                 (Some(kept), Some(serde_json::Value::Array(added))) => {
-                    let head = usize::try_from(kept).ok().and_then(|k| last.get(..k)).ok_or_else(|| {
+                    let before = previous.get("messages").and_then(serde_json::Value::as_array).map_or(&[][..], |m| m);
+                    let head = usize::try_from(kept).ok().and_then(|k| before.get(..k)).ok_or_else(|| {
                         format!(
                             "line {at} continues {kept} messages of a request; the file holds {} before it",
-                            last.len()
+                            before.len()
                         )
                     })?;
                     let messages: Vec<serde_json::Value> = head.iter().cloned().chain(added).collect();
                     request.insert("messages".into(), serde_json::Value::Array(messages));
-                    if !request.contains_key("tools") {
-                        request.insert("tools".into(), last_tools.clone());
-                    }
-                    if !request.contains_key("system") {
-                        request.insert("system".into(), last_system.clone());
+                    for key in ["system", "tools"] {
+                        if !request.contains_key(key) {
+                            request.insert(key.into(), previous.get(key).cloned().unwrap_or_default());
+                        }
                     }
                 }
                 (None, None) => {}
                 _ => return Err(format!("line {at}: a request with messages_kept needs messages_added")),
             }
-            last = request.get("messages").and_then(serde_json::Value::as_array).cloned().unwrap_or_default();
-            last_tools = request.get("tools").cloned().unwrap_or_default();
-            last_system = request.get("system").cloned().unwrap_or_default();
         }
         serde_json::to_writer(&mut out, &event).map_err(|e| e.to_string())?;
         out.write_all(b"\n").map_err(|e| e.to_string())?;
+        if is_request
+            && let Some(serde_json::Value::Object(request)) = event.get_mut("request").map(serde_json::Value::take)
+        {
+            previous = request;
+        }
     }
     Ok(())
 }
@@ -798,7 +801,7 @@ mod tests {
     /// that blocks forever); the receiver is returned to keep it open.
     fn stuck(queue: usize) -> (Tracer, mpsc::Receiver<Op>) {
         let (tx, rx) = mpsc::sync_channel(queue);
-        let writer = Arc::new(Writer { tx, dropped: Arc::default(), stalled: Arc::default(), chains: Arc::default() });
+        let writer = Arc::new(Writer { tx, shared: Arc::default() });
         (Tracer { writer: Some(writer) }, rx)
     }
 
