@@ -170,12 +170,9 @@ fn error_event(v: &Value) -> Failure {
 #[tonic::async_trait]
 impl Wire for Anthropic {
     fn request(&self, http: &HttpModel, body: &Bytes) -> reqwest::RequestBuilder {
-        http.client
-            .post(http.url("/v1/messages"))
+        http.post_json("/v1/messages", body)
             .header("x-api-key", &http.cfg.api_key)
             .header("anthropic-version", API_VERSION)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(body.clone())
     }
 
     async fn read(

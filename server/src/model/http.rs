@@ -87,8 +87,12 @@ impl HttpModel {
         Ok(Self { cfg, client })
     }
 
-    pub(super) fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.cfg.base_url)
+    /// A POST of the JSON document `body` to `path` of the API.
+    pub(super) fn post_json(&self, path: &str, body: &Bytes) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}{path}", self.cfg.base_url))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(body.clone())
     }
 
     fn error(&self, kind: ModelErrorKind, message: String) -> ModelError {
@@ -299,7 +303,7 @@ mod tests {
 
     /// A request with every kind of block, text that JSON escapes, a
     /// temperature and tools.
-    fn rich_request() -> (ModelRequest<'static>, Vec<crate::domain::ToolSpec>) {
+    fn rich_request() -> ModelRequest<'static> {
         use crate::domain::{Block, Message, Role, ToolResult, ToolSpec, ToolUse};
         let input = json!({"q": "ada \"lovelace\"", "n": [1, 2.5], "deep": {"z": null, "a": true}});
         let input = input.as_object().cloned().unwrap_or_default();
@@ -345,9 +349,7 @@ mod tests {
                 })]),
             },
         ];
-        let request =
-            ModelRequest { system: "be \"brief\"".into(), messages: messages.into(), tools: tools.clone().into() };
-        (request, tools)
+        ModelRequest { system: "be \"brief\"".into(), messages: messages.into(), tools: tools.into() }
     }
 
     fn model(provider: crate::config::Provider, stream: bool) -> Result<HttpModel, String> {
@@ -371,7 +373,7 @@ mod tests {
     #[test]
     fn request_bodies_are_the_apis_json_objects() -> Result<(), String> {
         use crate::config::Provider;
-        let (request, _) = rich_request();
+        let request = rich_request();
         for stream in [false, true] {
             let http = model(Provider::Anthropic, stream)?;
             let written = http.encode(&super::super::anthropic::body(&http, &request)).map_err(|e| e.message)?;

@@ -270,11 +270,7 @@ fn assemble(text: String, calls: BTreeMap<u64, PartialCall>) -> Result<Vec<Block
 #[tonic::async_trait]
 impl Wire for OpenAi {
     fn request(&self, http: &HttpModel, body: &Bytes) -> reqwest::RequestBuilder {
-        http.client
-            .post(http.url("/v1/chat/completions"))
-            .bearer_auth(&http.cfg.api_key)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(body.clone())
+        http.post_json("/v1/chat/completions", body).bearer_auth(&http.cfg.api_key)
     }
 
     async fn read(
