@@ -556,26 +556,22 @@ impl Outcome {
         })
     }
 
+    /// The started event, if any.
+    fn started(&self) -> Option<&pb::QueryStarted> {
+        self.events.iter().find_map(|e| match &e.event {
+            Some(Event::Started(s)) => Some(s),
+            _ => None,
+        })
+    }
+
     /// The query id from the started event.
     pub fn query_id(&self) -> String {
-        self.events
-            .iter()
-            .find_map(|e| match &e.event {
-                Some(Event::Started(s)) => Some(s.query_id.clone()),
-                _ => None,
-            })
-            .unwrap_or_default()
+        self.started().map(|s| s.query_id.clone()).unwrap_or_default()
     }
 
     /// The session id from the started event.
     pub fn session_id(&self) -> String {
-        self.events
-            .iter()
-            .find_map(|e| match &e.event {
-                Some(Event::Started(s)) => Some(s.session_id.clone()),
-                _ => None,
-            })
-            .expect("a started event")
+        self.started().map(|s| s.session_id.clone()).expect("a started event")
     }
 
     /// Tool result events, in order.
