@@ -24,6 +24,8 @@ use toml::{
 };
 
 mod document;
+#[cfg(test)]
+mod tests;
 use document::{Shape, Walk, fields_of, remove_key};
 
 use crate::{
@@ -848,7 +850,8 @@ fn parse_with(
     walk.table(doc.get_ref(), &ROOT, "");
     let dir = path.parent().unwrap_or(Path::new("")).to_owned();
     let unknown = std::mem::take(&mut walk.unknown);
-    let mut v = Validator { text, dir, secrets, env, walk, problems: Vec::new(), warnings: Vec::new() };
+    let mut v =
+        Validator { text, dir, secrets, env, walk, problems: Vec::new(), warnings: Vec::new(), left_out: Vec::new() };
     for u in unknown {
         v.problem(Some(u.span), u.field, u.message);
     }
@@ -896,6 +899,11 @@ pub fn parse_admin_listen(value: &str) -> Option<Option<SocketAddr>> {
     }
 }
 
+/// The key a serde "missing field `key`" message names.
+fn missing_field(message: &str) -> Option<&str> {
+    message.strip_prefix("missing field `")?.split('`').next()
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text.get(..offset).map_or(1, |t| t.matches('\n').count() + 1)
 }
@@ -912,6 +920,13 @@ struct Validator<'a> {
     walk: Walk,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
+    /// Fields whose values were left out for their type (already reported).
+    left_out: Vec<String>,
+}
+
+/// Whether `field` is `parent` or a field inside it.
+fn within(field: &str, parent: &str) -> bool {
+    field.strip_prefix(parent).is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
 }
 
 /// The raw config, its parts typed one by one so that a wrong value in one
@@ -993,48 +1008,66 @@ impl Validator<'_> {
         parts
     }
 
-    /// Types one agent. A value of the wrong type is reported and left out
-    /// (its default applies), and typing goes on, so that one typo hides
-    /// none of the agent's other problems. An agent that still doesn't type
-    /// (a required key missing) is reported and skipped.
+    /// Types one agent (see [`Self::typed`]); `None` leaves it out.
     fn agent_table(&mut self, item: Spanned<DeValue<'_>>, i: usize) -> Option<RawAgent> {
-        let at = format!("agents[{i}]");
-        let span = item.span();
-        let mut item = item.into_inner();
-        for _ in 0..32 {
-            let attempt = RawAgent::deserialize(ValueDeserializer::from(Spanned::new(span.clone(), item.clone())));
+        self.typed(item, &format!("agents[{i}]"))
+    }
+
+    /// Types one table (`server`, an agent, …) found at `at`. A value of
+    /// the wrong type is reported and left out (its default applies), and
+    /// typing goes on, so that one typo hides none of the table's other
+    /// problems. A table that still doesn't type (a required key missing)
+    /// is reported and gives `None`; a required key that is missing only
+    /// because its wrong value was left out is not reported twice.
+    fn typed<T: serde::de::DeserializeOwned>(&mut self, value: Spanned<DeValue<'_>>, at: &str) -> Option<T> {
+        let span = value.span();
+        let mut value = value.into_inner();
+        // The keys left out so far, relative to `at`.
+        let mut removed: Vec<String> = Vec::new();
+        // Each round reports one problem and removes one key: a table has
+        // far fewer keys than this.
+        for _ in 0..64 {
+            let attempt = T::deserialize(ValueDeserializer::from(Spanned::new(span.clone(), value.clone())));
             let e = match attempt {
-                Ok(agent) => return Some(agent),
+                Ok(typed) => return Some(typed),
                 Err(e) => e,
             };
             let error_span = e.span().unwrap_or(span.clone());
-            let field = self.walk.path_of(&error_span).unwrap_or(&at).to_owned();
-            self.problem(Some(error_span), field.clone(), e.message().trim());
-            let removed = match (&mut item, field.strip_prefix(&format!("{at}."))) {
-                (DeValue::Table(t), Some(relative)) => remove_key(t, relative),
+            let field = self.walk.path_of(&error_span).unwrap_or(at).to_owned();
+            let relative =
+                if field == at { Some("") } else { field.strip_prefix(at).and_then(|f| f.strip_prefix('.')) };
+            let message = e.message().trim();
+            // (The span of a missing key's table may name the array that
+            // holds it, `hooks` for `hooks[0]`: any removed key of that name
+            // below it counts.)
+            let said_already = missing_field(message).is_some_and(|key| {
+                let parent = relative.unwrap_or("");
+                removed.iter().any(|r| r.starts_with(parent) && (r == key || r.ends_with(&format!(".{key}"))))
+            });
+            if !said_already {
+                self.problem(Some(error_span), field.clone(), message);
+            }
+            let removed_now = match (&mut value, relative) {
+                (DeValue::Table(t), Some(relative)) if !relative.is_empty() => remove_key(t, relative),
                 _ => false,
             };
-            if !removed {
+            if !removed_now {
                 return None;
             }
+            removed.extend(relative.map(str::to_owned));
+            self.left_out.push(field);
         }
         None
     }
 
-    fn typed<T: serde::de::DeserializeOwned>(&mut self, value: Spanned<DeValue<'_>>, at: &str) -> Option<T> {
-        let whole = value.span();
-        T::deserialize(ValueDeserializer::from(value))
-            .map_err(|e| {
-                let span = e.span().unwrap_or(whole);
-                let field = self.walk.path_of(&span).unwrap_or(at).to_owned();
-                self.problem(Some(span), field, e.message().trim());
-            })
-            .ok()
-    }
-
-    /// Records a problem; without a span, the line is the field's own.
+    /// Records a problem; without a span, the line is the field's own. A
+    /// value left out for its type was reported as such: nothing more is
+    /// said of it (that it is missing, say).
     fn problem(&mut self, span: Option<std::ops::Range<usize>>, field: impl Into<String>, message: impl Into<String>) {
         let field = field.into();
+        if self.left_out.iter().any(|f| within(&field, f)) {
+            return;
+        }
         let line = span.or_else(|| self.walk.span_of(&field)).map(|s| line_of(self.text, s.start));
         self.problems.push(Problem { line, field, message: message.into() });
     }
