@@ -42,11 +42,13 @@ fn block_text(b: &pb::ContentBlock, indent: &str) -> String {
         }
         Some(Block::ToolResult(r)) => {
             let text: Vec<&str> = r.content.iter().map(|t| t.text.as_str()).collect();
+            // A multi-line result (pretty JSON) keeps its own indentation,
+            // under the block's.
             format!(
                 "{indent}tool_result [{}]{} {}",
                 r.tool_use_id,
                 if r.is_error { " (error)" } else { "" },
-                text.join("")
+                text.join("").replace('\n', &format!("\n{indent}  "))
             )
         }
         None => format!("{indent}(empty block)"),

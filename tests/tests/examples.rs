@@ -204,6 +204,37 @@ async fn the_cli_queries_and_checks_configs() {
     );
 }
 
+/// The scripted model takes a tool call's input from the prompt
+/// (`{{last_user_word}}`), so "Find Grace." looks up Grace; and
+/// `--show-requests` prints a tool result's JSON with its own indentation
+/// under the request's.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_shows_requests_with_a_result_indented_as_sent() {
+    let (tools, _tools) = start_example_tools().await;
+    let config = cfg::agent("support", "")
+        + &cfg::turn("looking", &["lookup_customer:{ query = \"{{last_user_word}}\" }"])
+        + &cfg::turn("found", &[])
+        + &cfg::tools(&tools, 5000);
+    let lattice = Lattice::start(&config).await;
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["query", "--addr", &lattice.url, "--agent", "support", "--show-requests", "Find Grace."])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("tool_use lookup_customer {\"query\":\"Grace\"}"), "{stdout}");
+    assert!(stdout.contains("Grace Hopper") && !stdout.contains("Ada Lovelace"), "{stdout}");
+    // The record is printed twice: in its tool_result event and in the next
+    // model request. Each of its lines is indented under its block.
+    let record_lines: Vec<&str> = stdout.lines().filter(|l| l.contains("\"name\": \"Grace Hopper\"")).collect();
+    assert_eq!(record_lines.len(), 2, "{stdout}");
+    for line in record_lines {
+        let indent = line.len() - line.trim_start().len();
+        assert!(indent >= 8, "a line of the record lost its indentation: {line:?} in\n{stdout}");
+    }
+}
+
 /// `lattice query` reads events as large as the server may send (its
 /// `max_message_bytes`), not only tonic's default 4 MiB: a 5 MiB reply is
 /// printed, not refused as OUT_OF_RANGE after the query has succeeded.

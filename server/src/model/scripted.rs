@@ -8,14 +8,20 @@
 //! |---|---|
 //! | `{{last_tool_result}}` | the text of the last tool_result block |
 //! | `{{last_user_text}}` | the last text block of a user message |
+//! | `{{last_user_word}}` | that block's last word, without punctuation ("Find Ada." → `Ada`) |
 //! | `{{system}}` | the system prompt |
 //! | `{{turn}}` | the 1-based turn |
 //! | `{{message_count}}` | the number of messages |
 //! | `{{tools}}` | the offered tool names, comma-separated |
 //! | `{{request}}` | every text of the request (system, texts, tool results), one per line |
 //!
+//! Strings in a tool call's input may hold them too (`query =
+//! "{{last_user_word}}"` looks up whom the prompt names).
+//!
 //! With no script it echoes the prompt; past the end of its script it ends
 //! the turn with empty text.
+
+use serde_json::Value;
 
 use crate::{
     config::ScriptTurn,
@@ -61,6 +67,12 @@ fn last_user_text(req: &ModelRequest<'_>) -> String {
         .unwrap_or_default()
 }
 
+fn last_user_word(req: &ModelRequest<'_>) -> String {
+    let text = last_user_text(req);
+    let word = text.split_whitespace().next_back().unwrap_or_default();
+    word.trim_matches(|c: char| !c.is_alphanumeric()).to_owned()
+}
+
 fn all_text(req: &ModelRequest<'_>) -> String {
     let mut lines = vec![req.system.to_string()];
     for b in req.messages.iter().flat_map(|m| m.content.iter()) {
@@ -75,9 +87,10 @@ fn all_text(req: &ModelRequest<'_>) -> String {
 
 fn render(template: &str, req: &ModelRequest<'_>, turn: u32) -> String {
     let mut out = template.to_owned();
-    let subs: [(&str, &dyn Fn() -> String); 7] = [
+    let subs: [(&str, &dyn Fn() -> String); 8] = [
         ("{{last_tool_result}}", &|| last_tool_result(req)),
         ("{{last_user_text}}", &|| last_user_text(req)),
+        ("{{last_user_word}}", &|| last_user_word(req)),
         ("{{system}}", &|| req.system.to_string()),
         ("{{turn}}", &|| turn.to_string()),
         ("{{message_count}}", &|| req.messages.len().to_string()),
@@ -90,6 +103,18 @@ fn render(template: &str, req: &ModelRequest<'_>, turn: u32) -> String {
         }
     }
     out
+}
+
+/// A tool call's input with the placeholders in its strings replaced.
+fn render_value(value: &Value, req: &ModelRequest<'_>, turn: u32) -> Value {
+    match value {
+        Value::String(s) if s.contains("{{") => Value::String(render(s, req, turn)),
+        Value::Array(items) => Value::Array(items.iter().map(|v| render_value(v, req, turn)).collect()),
+        Value::Object(fields) => {
+            Value::Object(fields.iter().map(|(k, v)| (k.clone(), render_value(v, req, turn))).collect())
+        }
+        other => other.clone(),
+    }
 }
 
 /// The text in some blocks, in bytes (texts, tool results, tool names):
@@ -141,7 +166,7 @@ impl Model for Scripted {
                     content.push(Block::ToolUse(ToolUse {
                         id: format!("toolu_{prefix}_{}_{}", at.turn, i + 1),
                         name: name.clone(),
-                        input: input.clone(),
+                        input: input.iter().map(|(k, v)| (k.clone(), render_value(v, request, at.turn))).collect(),
                     }));
                 }
                 step.stop_reason.unwrap_or(if step.tool_calls.is_empty() {
