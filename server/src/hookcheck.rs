@@ -99,6 +99,12 @@ pub struct Finding {
 pub struct Report {
     /// The service checked.
     pub endpoint: String,
+    /// The deadline each call was given, in milliseconds (`--deadline-ms`:
+    /// the hook's `deadline_ms` in Lattice's config).
+    pub deadline_ms: u64,
+    /// The message limit the large calls were sized to
+    /// (`--max-message-bytes`: Lattice's `server.hook_max_message_bytes`).
+    pub max_message_bytes: usize,
     /// The checks, in the order they ran.
     pub checks: Vec<Finding>,
     /// How many passed.
@@ -110,10 +116,12 @@ pub struct Report {
 }
 
 impl Report {
-    fn new(endpoint: &str, checks: Vec<Finding>) -> Report {
+    fn new(options: &Options, checks: Vec<Finding>) -> Report {
         let count = |v| checks.iter().filter(|f| f.result == v).count();
         Report {
-            endpoint: endpoint.to_owned(),
+            endpoint: options.endpoint.clone(),
+            deadline_ms: u64::try_from(options.deadline.as_millis()).unwrap_or(u64::MAX),
+            max_message_bytes: options.max_message_bytes,
             passed: count(Verdict::Pass),
             warnings: count(Verdict::Warn),
             failed: count(Verdict::Fail),
@@ -125,6 +133,14 @@ impl Report {
     pub fn table(&self) -> String {
         let width = self.checks.iter().map(|f| f.check.len()).max().unwrap_or(0);
         let mut out = format!("lattice hook check {}\n", self.endpoint);
+        // What a FAIL is measured against: a hook that needs longer must be
+        // given it in Lattice's config, and checked with it.
+        let _ = writeln!(
+            out,
+            "each call's deadline: {} ms (--deadline-ms, the hook's deadline_ms in Lattice's config); \
+             message limit: {} bytes (--max-message-bytes)",
+            self.deadline_ms, self.max_message_bytes
+        );
         for f in &self.checks {
             let _ = writeln!(out, "{}  {:<width$}  {}", f.result.as_str(), f.check, f.detail);
         }
@@ -209,7 +225,7 @@ pub async fn run(options: &Options) -> Result<Report, String> {
         );
         checks.push(timed("model_request/grpc_timeout", short).await);
     }
-    Ok(Report::new(&options.endpoint, checks))
+    Ok(Report::new(options, checks))
 }
 
 /// What a check found: its verdict and why.

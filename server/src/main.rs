@@ -186,6 +186,14 @@ enum HookCommand {
     },
 }
 
+/// Writes a command's output to stdout. A reader that went away (`| head`)
+/// is no error of ours: unlike `print!`, this never panics.
+fn print_out(text: &str) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush());
+}
+
 fn init_logs(format: LogFormat) {
     logging::init(match format {
         LogFormat::Text => logging::Format::Text,
@@ -288,11 +296,12 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     let line = w.line.map(|l| format!(":{l}")).unwrap_or_default();
                     eprintln!("warning: {}{line}: {}: {}", config.display(), w.field, w.message);
                 }
-                println!("{}: OK ({} agent(s))", config.display(), c.agents.len());
+                let mut out = format!("{}: OK ({} agent(s))\n", config.display(), c.agents.len());
                 for a in &c.agents {
                     let hooks: Vec<&str> = a.hooks.iter().filter(|h| h.enabled).map(|h| h.name.as_str()).collect();
-                    println!("  {}: model {}, hooks [{}]", a.name, a.model.label(), hooks.join(" → "));
+                    out += &format!("  {}: model {}, hooks [{}]\n", a.name, a.model.label(), hooks.join(" → "));
                 }
+                print_out(&out);
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -472,9 +481,9 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
             match hookcheck::run(&options).await {
                 Ok(report) => {
                     if json {
-                        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+                        print_out(&(serde_json::to_string_pretty(&report).unwrap_or_default() + "\n"));
                     } else {
-                        print!("{}", report.table());
+                        print_out(&report.table());
                     }
                     if report.failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
                 }

@@ -77,6 +77,34 @@ async fn the_example_hooks_pass_every_check() {
     assert_eq!(report["warnings"], 0, "{report:#}");
 }
 
+/// The quickstart's hook (the Rust redaction example) passes every check
+/// at the deadline and message limit the quickstart's config gives it, as
+/// a debug build: a tool result near the limit through it does not abort
+/// the query. The report says which deadline and limit it measured against.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_quickstart_hook_meets_the_quickstart_deadline() {
+    let path = lattice_tests::workspace_root().join("deploy/examples/quickstart.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let config = lattice_server::config::parse_with_env(&text, &path, &|_| None).unwrap();
+    let hook = &config.agents[0].hooks[0];
+    assert_eq!((hook.name.as_str(), hook.events.tool_result), ("redact", true));
+    let deadline_ms = hook.deadline.as_millis().to_string();
+    let limit = config.server.hook_max_message_bytes.to_string();
+
+    let (redact, _r) = start_example("redact", &[]).await;
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["hook", "check", &redact, "--events", "tool_result", "--deadline-ms", &deadline_ms])
+        .args(["--max-message-bytes", &limit])
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(table.contains(&format!("each call's deadline: {deadline_ms} ms")), "{table}");
+    assert!(table.contains(&format!("message limit: {limit} bytes")), "{table}");
+    assert!(table.contains("PASS  tool_result/near_limit"), "{table}");
+}
+
 /// A hook without grpc.health.v1 or reflection (the test hook serves
 /// neither): health FAILs, reflection only WARNs; the calls pass.
 #[tokio::test(flavor = "multi_thread")]

@@ -11,8 +11,11 @@
 // SIGTERM (health NOT_SERVING at once, calls served for -drain-ms, then a
 // graceful stop), takes LATTICE_HOOK_MAX_MESSAGE_BYTES (16 MiB, Lattice's
 // default) and logs one JSON line per event, never content. The first line
-// on stdout is "listening on PORT". Build with ./build.sh; check with
-// `lattice hook check 127.0.0.1:50075 --events tool_result`.
+// on stdout is "listening on PORT". Build with ./build.sh; register it with
+// deadline_ms = 5000 and check it with that deadline:
+// `lattice hook check 127.0.0.1:50075 --events tool_result --deadline-ms 5000`.
+// Go's regexp takes about 2 s over a tool result near Lattice's 16 MiB
+// limit (measured on two cores), more than the default hook deadline of 1 s.
 package main
 
 import (
