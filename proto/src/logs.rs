@@ -2,7 +2,8 @@
 //! by Lattice and the hook SDK (feature `logs`).
 //!
 //! - [`from_transport`]: whether an event comes from a crate that handles
-//!   peers' bytes below gRPC (h2, hyper, tonic's transport, rustls, …).
+//!   peers' bytes below gRPC (h2, hyper, tonic's transport, rustls, …) or
+//!   the database client (tokio-postgres, deadpool).
 //!   Those crates log what they receive at debug and trace (a GOAWAY's
 //!   debug data, protocol errors that quote a frame), so both drop their
 //!   events whatever `RUST_LOG` says, unless [`TRANSPORT_OPT_IN`] is `1`.
@@ -69,9 +70,27 @@ pub const OPTED_IN_WARNING: &str = "LATTICE_LOG_TRANSPORT=1: transport crates ma
 /// The variable that lets the transport crates' events through.
 pub const TRANSPORT_OPT_IN: &str = "LATTICE_LOG_TRANSPORT";
 
-/// Crates that handle peers' bytes below gRPC (targets and their modules).
-const TRANSPORT_TARGETS: &[&str] =
-    &["h2", "hyper", "hyper_util", "tonic", "tower", "rustls", "reqwest", "eventsource_stream", "tokio_util", "want"];
+/// Crates that handle peers' bytes below gRPC (targets and their modules),
+/// and the PostgreSQL client's: it logs each statement with its parameters
+/// (a stored conversation's prompts and tool results) at debug.
+const TRANSPORT_TARGETS: &[&str] = &[
+    "h2",
+    "hyper",
+    "hyper_util",
+    "tonic",
+    "tower",
+    "rustls",
+    "reqwest",
+    "eventsource_stream",
+    "tokio_util",
+    "want",
+    "tokio_postgres",
+    "postgres_protocol",
+    "postgres_types",
+    "deadpool",
+    "deadpool_postgres",
+    "tokio_postgres_rustls",
+];
 
 /// Whether [`TRANSPORT_OPT_IN`] is `1` in this process's environment.
 pub fn transport_opted_in() -> bool {

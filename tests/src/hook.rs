@@ -47,6 +47,9 @@ pub enum OnRequest {
     FirstMessageOnly,
     /// Appends a text to the last user message's last text block.
     AppendToLastText(String),
+    /// Replaces the first text (`.0`) with the second (`.1`) in every text
+    /// block of every message: a redaction of the prompts.
+    ReplaceInTexts(String, String),
     /// A replacement that breaks pairing (an unanswered tool_use).
     Dangling,
     /// A message with role unspecified.
@@ -292,6 +295,15 @@ impl pb::hook_service_server::HookService for Scripted {
                 let mut messages = req.messages.clone();
                 if let Some(m) = messages.last_mut() {
                     m.content.push(text_block(&s));
+                }
+                pb::OnModelRequestResponse { system: None, messages: list(messages) }
+            }
+            OnRequest::ReplaceInTexts(from, to) => {
+                let mut messages = req.messages.clone();
+                for block in messages.iter_mut().flat_map(|m| m.content.iter_mut()) {
+                    if let Some(apb::content_block::Block::Text(t)) = &mut block.block {
+                        t.text = t.text.replace(&from, &to);
+                    }
                 }
                 pb::OnModelRequestResponse { system: None, messages: list(messages) }
             }
