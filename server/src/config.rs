@@ -84,6 +84,8 @@ pub mod defaults {
     pub const POSTGRES_POOL_SIZE: usize = 16;
     /// MiB of conversations a replica keeps (PostgreSQL store).
     pub const HISTORY_CACHE_MIB: usize = 32;
+    /// `sessions.store_timeout_ms`.
+    pub const STORE_TIMEOUT_MS: u64 = 5_000;
 }
 
 // ---------------------------------------------------------------- raw ----
@@ -124,6 +126,12 @@ struct RawSessions {
     history_cache_mib: Option<Spanned<usize>>,
     /// "wait" (default): serve NOT_SERVING and retry; "exit": refuse to start.
     on_unreachable: Option<Spanned<String>>,
+    /// PostgreSQL: how long any statement but a query's lease and commit
+    /// may wait for the database (those have the query's deadline).
+    store_timeout_ms: Option<u64>,
+    /// PostgreSQL: "auto" (default) brings the schema up to date at
+    /// start-up; "never" only checks it (`lattice migrate` applies it).
+    migrate: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -432,6 +440,12 @@ pub struct PostgresSettings {
     /// Bytes of conversations this replica keeps, so that taking a lease
     /// reads only the messages committed since (0: none kept).
     pub history_cache_bytes: usize,
+    /// How long any statement but a query's lease and commit may wait for
+    /// the database (renewals, releases, reads, deletes, sweeps, health).
+    pub store_timeout: Duration,
+    /// Whether start-up brings the schema up to date (else it only checks
+    /// that the schema is the one this build knows).
+    pub migrate: bool,
 }
 
 impl fmt::Debug for PostgresSettings {
@@ -442,6 +456,8 @@ impl fmt::Debug for PostgresSettings {
             .field("pool_size", &self.pool_size)
             .field("exit_if_unreachable", &self.exit_if_unreachable)
             .field("history_cache_bytes", &self.history_cache_bytes)
+            .field("store_timeout", &self.store_timeout)
+            .field("migrate", &self.migrate)
             .finish()
     }
 }
@@ -1399,6 +1415,7 @@ impl Validator<'_> {
             (s.idle_ttl_s, "sessions.idle_ttl_s"),
             (s.max_sessions.map(|v| v as u64), "sessions.max_sessions"),
             (s.pool_size.map(|v| v as u64), "sessions.pool_size"),
+            (s.store_timeout_ms, "sessions.store_timeout_ms"),
         ] {
             if v == Some(0) {
                 self.problem(None, f, "must be at least 1");
@@ -1411,6 +1428,18 @@ impl Validator<'_> {
                 let message = format!("{other:?}: expected \"wait\" (serve NOT_SERVING and retry) or \"exit\"");
                 self.problem(Some(span), "sessions.on_unreachable", message);
                 false
+            }
+        };
+        let migrate = match s.migrate.as_ref().map(|m| (m.get_ref().as_str(), m.span())) {
+            None | Some(("auto", _)) => true,
+            Some(("never", _)) => false,
+            Some((other, span)) => {
+                let message = format!(
+                    "{other:?}: expected \"auto\" (bring the schema up to date at start-up) or \"never\" \
+                     (`lattice migrate` does)"
+                );
+                self.problem(Some(span), "sessions.migrate", message);
+                true
             }
         };
         let store = match s.store.as_ref().map(|v| (v.get_ref().as_str(), v.span())) {
@@ -1440,6 +1469,8 @@ impl Validator<'_> {
                         .as_ref()
                         .map_or(defaults::HISTORY_CACHE_MIB, |m| *m.get_ref())
                         .saturating_mul(1024 * 1024),
+                    store_timeout: ms(s.store_timeout_ms.unwrap_or(defaults::STORE_TIMEOUT_MS).max(1)),
+                    migrate,
                 })
             }
             Some((other, span)) => {

@@ -77,7 +77,10 @@ pub async fn follow_store(
         if ticks.is_multiple_of(STORE_CHECK_TICKS) {
             store_ok = store.ready().await.is_ok();
             if let (Some(pg), true, false) = (&postgres, store_ok, migrated) {
-                migrated = pg.migrate().await.is_ok();
+                match pg.prepare_schema().await {
+                    Ok(()) => migrated = true,
+                    Err(e) => warn!(reason = %e, "session store schema not ready: NOT_SERVING"),
+                }
                 store_ok = migrated;
             }
             if let (Some(pg), true) = (&postgres, store_ok && ticks.is_multiple_of(SWEEP_TICKS))

@@ -62,7 +62,7 @@ use crate::{
     agent::Runtime,
     config::{Config, StoreSettings},
     service::AgentSvc,
-    session::{MemoryStore, PostgresStore, SessionStore},
+    session::{MemoryStore, PostgresStore, SchemaError, SessionStore},
 };
 
 /// Why the server stopped with an error.
@@ -130,13 +130,20 @@ pub async fn run(
         StoreSettings::Postgres(pg) => {
             let store = PostgresStore::new(pg, sessions.lease_ttl, sessions.idle_ttl).map_err(ServeError::Store)?;
             store.observe(&metrics);
-            // Migrated before serving; when the database can't be reached,
-            // either refuse to start or serve NOT_SERVING until it can.
-            if let Err(e) = store.migrate().await {
-                if pg.exit_if_unreachable {
-                    return Err(ServeError::Store(format!("{e} at start-up (sessions.on_unreachable = \"exit\")")));
+            // Migrated (or checked, with migrate = "never") before serving.
+            // A schema this build can't use stops it; a database that can't
+            // be reached either stops it or is waited for, NOT_SERVING.
+            match store.prepare_schema().await {
+                Ok(()) => {}
+                Err(e @ (SchemaError::Newer { .. } | SchemaError::Behind { .. })) => {
+                    return Err(ServeError::Store(e.to_string()));
                 }
-                warn!(error = %e, "session store unreachable at start-up: NOT_SERVING until it answers");
+                Err(e) if pg.exit_if_unreachable => {
+                    return Err(ServeError::Store(format!(
+                        "the session store is unreachable at start-up: {e} (sessions.on_unreachable = \"exit\")"
+                    )));
+                }
+                Err(e) => warn!(reason = %e, "session store unreachable at start-up: NOT_SERVING until it answers"),
             }
             (Arc::new(store.clone()), Some(store))
         }

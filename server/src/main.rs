@@ -76,6 +76,14 @@ enum Command {
         #[arg(long)]
         health_listen: Option<String>,
     },
+    /// Bring the PostgreSQL session store's schema up to date, and exit:
+    /// for `[sessions] migrate = "never"`, where the serving role may not
+    /// run DDL. Reads the connection string as `serve` does.
+    Migrate {
+        /// The config file (TOML).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
     /// Validate a config file and list every problem.
     CheckConfig {
         /// The config file (TOML).
@@ -186,6 +194,59 @@ enum HookCommand {
     },
 }
 
+/// `lattice migrate`: the session store's schema brought up to date.
+async fn migrate(path: &std::path::Path) -> ExitCode {
+    // As check-config reads it: a model API key is not needed to migrate.
+    let config = match config::check(path) {
+        Ok((config, _)) => config,
+        Err(e) => {
+            eprint!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let config::StoreSettings::Postgres(pg) = &config.sessions.store else {
+        eprintln!("lattice migrate: {} keeps sessions in memory: there is no schema to migrate", path.display());
+        return ExitCode::from(EXIT_CONFIG);
+    };
+    if pg.url.is_empty() {
+        eprintln!(
+            "lattice migrate: environment variable {:?} is not set (the PostgreSQL connection string)",
+            pg.url_env
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let store =
+        match lattice_server::session::PostgresStore::new(pg, config.sessions.lease_ttl, config.sessions.idle_ttl) {
+            Ok(store) => store,
+            Err(e) => {
+                eprintln!("lattice migrate: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        };
+    match store.migrate().await {
+        Ok(applied) if applied.is_empty() => {
+            print_out(&format!(
+                "session store schema: up to date (version {})\n",
+                lattice_server::session::SCHEMA_VERSION
+            ));
+            ExitCode::SUCCESS
+        }
+        Ok(applied) => {
+            let versions: Vec<String> = applied.iter().map(i32::to_string).collect();
+            print_out(&format!(
+                "session store schema: migrated to version {} (applied {})\n",
+                lattice_server::session::SCHEMA_VERSION,
+                versions.join(", ")
+            ));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("lattice migrate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Writes a command's output to stdout. A reader that went away (`| head`)
 /// is no error of ours: unlike `print!`, this never panics.
 fn print_out(text: &str) {
@@ -290,6 +351,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Command::Migrate { config } => migrate(&config).await,
         Command::CheckConfig { config } => match config::check(&config) {
             Ok((c, warnings)) => {
                 for w in &warnings {

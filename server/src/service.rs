@@ -141,11 +141,15 @@ impl AgentSvc {
             .map_err(|_| Status::resource_exhausted("too many queries in flight; retry later"))?;
         let mut lease = self
             .store
-            .acquire_as(&session_id, &agent.def.name, self.owner(&principal), create)
+            .acquire_until(&session_id, &agent.def.name, self.owner(&principal), create, deadline)
             .await
             .map_err(|e| status::store_error(&e))?;
         if lease.session.agent != agent.def.name {
-            return Err(Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent)));
+            let refused = Status::invalid_argument(format!("the session belongs to agent {:?}", lease.session.agent));
+            // Given back before the client hears: its next query finds the
+            // session free.
+            lease.release_until(deadline).await;
+            return Err(refused);
         }
         let query_id = uuid::Uuid::new_v4().to_string();
         let span = info_span!(
@@ -223,7 +227,7 @@ impl AgentSvc {
                     let mut appended = std::mem::take(&mut out.messages);
                     let conversation = appended.len();
                     appended.drain(..stored);
-                    match lease.commit(appended).await {
+                    match lease.commit_until(appended, deadline).await {
                         Ok(()) => {
                             runtime.tracer().committed(&scope, conversation);
                             Ok((out, result))
@@ -233,8 +237,9 @@ impl AgentSvc {
                 }
                 Err(e) => {
                     // Released before the client hears of the failure, so
-                    // that a retry finds the session free.
-                    lease.release().await;
+                    // that a retry finds the session free (waiting no later
+                    // than the query's deadline).
+                    lease.release_until(deadline).await;
                     Err(e)
                 }
             };

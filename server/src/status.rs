@@ -21,6 +21,9 @@ pub const DOMAIN: &str = "lattice.dev";
 pub const HOOK_FAILED: &str = "HOOK_FAILED";
 /// ErrorInfo reason of a model failure.
 pub const MODEL_FAILED: &str = "MODEL_FAILED";
+/// ErrorInfo reason of a commit whose outcome the store could not tell in
+/// time (status `UNKNOWN`): the turn may be stored.
+pub const COMMIT_OUTCOME_UNKNOWN: &str = "COMMIT_OUTCOME_UNKNOWN";
 
 /// A code's name as the gRPC spec writes it (`OK`, `DEADLINE_EXCEEDED`).
 pub fn code_name(code: Code) -> &'static str {
@@ -122,6 +125,14 @@ pub fn store_error(e: &StoreError) -> Status {
         StoreError::LeaseLost => Status::aborted(e.to_string()),
         StoreError::Full(_) => Status::resource_exhausted(format!("{e}; retry later, or delete sessions")),
         StoreError::Unavailable(_) => Status::unavailable(e.to_string()),
+        StoreError::Deadline => Status::deadline_exceeded(e.to_string()),
+        // The one failure after which the turn may be stored: a retry would
+        // run the tools again. The client reads the session to know.
+        StoreError::CommitOutcomeUnknown => Status::with_error_details(
+            Code::Unknown,
+            e.to_string(),
+            ErrorDetails::with_error_info(COMMIT_OUTCOME_UNKNOWN, DOMAIN, HashMap::new()),
+        ),
     }
 }
 
@@ -129,6 +140,19 @@ pub fn store_error(e: &StoreError) -> Status {
 mod tests {
     use super::*;
     use crate::hooks::HookEvent;
+
+    /// Every store failure but one says nothing was stored; the one that
+    /// can't say is UNKNOWN with a reason a client can act on.
+    #[test]
+    fn store_errors_map_to_what_is_stored() {
+        assert_eq!(store_error(&StoreError::Unavailable("postgres")).code(), Code::Unavailable);
+        assert_eq!(store_error(&StoreError::Deadline).code(), Code::DeadlineExceeded);
+        assert_eq!(store_error(&StoreError::LeaseLost).code(), Code::Aborted);
+        let unknown = store_error(&StoreError::CommitOutcomeUnknown);
+        assert_eq!(unknown.code(), Code::Unknown);
+        let info = unknown.get_details_error_info().expect("error info");
+        assert_eq!((info.reason.as_str(), info.domain.as_str()), (COMMIT_OUTCOME_UNKNOWN, DOMAIN));
+    }
 
     #[test]
     fn logged_input_is_plain_escaped_and_bounded() {

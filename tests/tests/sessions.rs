@@ -53,6 +53,8 @@ fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server
         pool_size: 2,
         exit_if_unreachable: true,
         history_cache_bytes: cache,
+        store_timeout: Duration::from_secs(5),
+        migrate: true,
     };
     lattice_server::session::PostgresStore::new(&settings, lease_ttl, Duration::from_secs(3600)).unwrap()
 }

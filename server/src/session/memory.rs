@@ -106,7 +106,7 @@ struct MemoryLease {
 }
 
 impl LeaseHolder for MemoryLease {
-    fn commit(&self, appended: Vec<Message>) -> StoreFuture<'_, ()> {
+    fn commit(&self, appended: Vec<Message>, _deadline: Option<tokio::time::Instant>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let mut state = self.store.state();
             let slot = state.slots.get_mut(&self.id).filter(|s| s.leased == Some(self.token));

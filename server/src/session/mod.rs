@@ -20,8 +20,8 @@ mod postgres;
 use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
-pub use postgres::PostgresStore;
-use tokio::sync::watch;
+pub use postgres::{PostgresStore, SCHEMA_VERSION, SchemaError};
+use tokio::{sync::watch, time::Instant};
 
 use crate::domain::Message;
 
@@ -78,8 +78,18 @@ pub enum StoreError {
     #[error("the session store is full ({0} sessions)")]
     Full(usize),
     /// The store can't be reached; `0` names the backend, never its URL.
+    /// Nothing was written.
     #[error("the session store ({0}) is unavailable")]
     Unavailable(&'static str),
+    /// The query's deadline passed while the store was asked (to lease or
+    /// to commit): nothing was written.
+    #[error("the query's deadline passed while the session store was asked")]
+    Deadline,
+    /// A commit was sent, its reply was lost, and the store could not be
+    /// asked again before the query's deadline: the turn may or may not be
+    /// stored. Read the session to know.
+    #[error("the session store did not say whether the turn was stored; read the session to know")]
+    CommitOutcomeUnknown,
 }
 
 /// A future the store returns from a trait object.
@@ -119,6 +129,21 @@ pub trait SessionStore: Send + Sync + fmt::Debug {
     /// runs in it).
     fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()>;
 
+    /// [`SessionStore::acquire_as`], waiting for the store no later than
+    /// `deadline` (the query's): past it, [`StoreError::Deadline`], and a
+    /// lease the store may have granted meanwhile is given back.
+    fn acquire_until<'a>(
+        &'a self,
+        session_id: &'a str,
+        agent: &'a str,
+        owner: Option<&'a str>,
+        create: bool,
+        deadline: Instant,
+    ) -> StoreFuture<'a, Lease> {
+        let _ = deadline;
+        self.acquire_as(session_id, agent, owner, create)
+    }
+
     /// [`SessionStore::acquire_as`] with no owner.
     fn acquire<'a>(&'a self, session_id: &'a str, agent: &'a str, create: bool) -> StoreFuture<'a, Lease> {
         self.acquire_as(session_id, agent, None, create)
@@ -149,8 +174,11 @@ pub trait SessionStore: Send + Sync + fmt::Debug {
 pub trait LeaseHolder: Send + Sync + fmt::Debug {
     /// Appends `appended` to the conversation at the version the lease was
     /// taken at, and releases the lease, atomically; or does nothing and
-    /// fails if the lease is no longer held.
-    fn commit(&self, appended: Vec<Message>) -> StoreFuture<'_, ()>;
+    /// fails if the lease is no longer held. Waits for the store until
+    /// `deadline` at the latest (the store's own timeout when `None`). An
+    /// error means nothing was written, except
+    /// [`StoreError::CommitOutcomeUnknown`].
+    fn commit(&self, appended: Vec<Message>, deadline: Option<Instant>) -> StoreFuture<'_, ()>;
     /// Releases the lease without changes (best effort: an unreleased lease
     /// expires). What can be done at once is done before it returns; the
     /// rest is the future.
@@ -182,9 +210,20 @@ impl Lease {
     }
 
     /// Appends a successful query's new messages and releases the lease.
-    pub async fn commit(mut self, appended: Vec<Message>) -> Result<(), StoreError> {
+    pub async fn commit(self, appended: Vec<Message>) -> Result<(), StoreError> {
+        self.commit_inner(appended, None).await
+    }
+
+    /// [`Lease::commit`], waiting for the store until `deadline` at the
+    /// latest (the query's). Ok: stored once. An error: nothing stored,
+    /// and the lease given back, except [`StoreError::CommitOutcomeUnknown`].
+    pub async fn commit_until(self, appended: Vec<Message>, deadline: Instant) -> Result<(), StoreError> {
+        self.commit_inner(appended, Some(deadline)).await
+    }
+
+    async fn commit_inner(mut self, appended: Vec<Message>, deadline: Option<Instant>) -> Result<(), StoreError> {
         let Some(holder) = self.holder.take() else { return Err(StoreError::LeaseLost) };
-        holder.commit(appended).await
+        holder.commit(appended, deadline).await
     }
 
     /// Releases the lease without changes, and waits until it is released:
@@ -192,6 +231,16 @@ impl Lease {
     pub async fn release(mut self) {
         if let Some(holder) = self.holder.take() {
             let _ = holder.release().await;
+        }
+    }
+
+    /// Releases the lease without changes, waiting for it until `deadline`
+    /// at the latest; past it the release goes on in the background (bounded
+    /// by the store's own timeout).
+    pub async fn release_until(mut self, deadline: Instant) {
+        if let Some(holder) = self.holder.take() {
+            let release = tokio::spawn(holder.release());
+            let _ = tokio::time::timeout_at(deadline, release).await;
         }
     }
 

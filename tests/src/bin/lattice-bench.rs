@@ -267,24 +267,38 @@ async fn session_growth(
 /// Query latency and throughput by session store and concurrency: each
 /// client continues a session of its own.
 async fn stores(queries: usize) {
-    let database = Cluster::shared().await.database().await;
+    let cluster = Cluster::shared().await;
+    let database = cluster.database().await;
+    // TLS: a cluster of its own, accepting TLS only, reached with
+    // sslmode=verify-full (the setting for a managed service).
+    let ca = TestCa::new("bench-pg");
+    let leaf = ca.issue("127.0.0.1");
+    let tls_cluster = Cluster::tls_only(&leaf.cert_pem, &leaf.key_pem).await;
+    let tls_url = format!("{}?sslmode=verify-full&sslrootcert={}", tls_cluster.database().await, ca.file.display());
+    let round_trip = bare_round_trip(&database).await;
     println!();
     println!("session store: each client continuing a session of its own (1 model request a query, no trace)");
-    println!("{:>9} {:>8} {:>9} {:>10} {:>10} {:>12}", "store", "clients", "messages", "p50", "p99", "queries/s");
-    for store in ["memory", "postgres"] {
+    println!("a bare statement round trip (SELECT 1, plaintext, p50 of 2,000): {round_trip:.2?}");
+    println!("{:>12} {:>8} {:>9} {:>10} {:>10} {:>12}", "store", "clients", "messages", "p50", "p99", "queries/s");
+    // (p50 at 1 client, queries/s at 16) of each store.
+    let mut figures: Vec<(&str, Duration, f64)> = Vec::new();
+    for (store, url) in
+        [("memory", database.as_str()), ("postgres", database.as_str()), ("postgres+tls", tls_url.as_str())]
+    {
         let sessions = match store {
-            "postgres" => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
-            _ => "[sessions]\nstore = \"memory\"\n",
+            "memory" => "[sessions]\nstore = \"memory\"\n",
+            _ => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
         };
         let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
         // No trace: what is measured is the store.
-        let lattice = std::sync::Arc::new(Lattice::start_untraced(&config, &[("BENCH_PG", &database)]).await);
+        let lattice = std::sync::Arc::new(Lattice::start_untraced(&config, &[("BENCH_PG", url)]).await);
         // Clients and queries each: `queries` in all; and for the memory
         // store, whose lease takes a list of the conversation's messages,
         // 16 clients whose sessions grow to 4,000 messages (PostgreSQL
         // reads what a replica does not know from the database, which the
         // commits section below measures).
         let long = (store == "memory").then_some((16, 2000));
+        let (mut p50_one, mut rate_sixteen) = (Duration::ZERO, 0.0);
         for (clients, per_client) in [(1usize, queries), (16, queries / 16)].into_iter().chain(long) {
             let all = Instant::now();
             let mut tasks = Vec::new();
@@ -314,15 +328,48 @@ async fn stores(queries: usize) {
             }
             let total = all.elapsed();
             times.sort();
+            let (p50, rate) = (percentile(&times, 0.5), times.len() as f64 / total.as_secs_f64());
+            if per_client * 2 < 4000 {
+                match clients {
+                    1 => p50_one = p50,
+                    _ => rate_sixteen = rate,
+                }
+            }
             println!(
-                "{store:>9} {clients:>8} {:>9} {:>10.2?} {:>10.2?} {:>12.0}",
+                "{store:>12} {clients:>8} {:>9} {:>10.2?} {:>10.2?} {:>12.0}",
                 2 * (per_client + 1),
-                percentile(&times, 0.5),
+                p50,
                 percentile(&times, 0.99),
-                times.len() as f64 / total.as_secs_f64()
+                rate
             );
         }
+        figures.push((store, p50_one, rate_sixteen));
     }
+    let (_, memory_p50, memory_rate) = figures[0];
+    for (store, p50, rate) in &figures[1..] {
+        let added = p50.saturating_sub(memory_p50);
+        println!(
+            "{store}: added p50 over memory {added:.2?} = {:.2}x two bare round trips (goal <= 1.5); \
+             queries/s at 16 clients {:.0} % of memory's (goal >= 80 %)",
+            added.as_secs_f64() / (2.0 * round_trip.as_secs_f64()),
+            100.0 * rate / memory_rate
+        );
+    }
+}
+
+/// The p50 of a bare statement round trip to the database at `url`
+/// (`SELECT 1`, typed, as the store sends its statements).
+async fn bare_round_trip(url: &str) -> Duration {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let mut times = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let start = Instant::now();
+        client.query_typed("SELECT 1", &[]).await.unwrap();
+        times.push(start.elapsed());
+    }
+    times.sort();
+    percentile(&times, 0.5)
 }
 
 /// One PostgreSQL commit (two new messages, lease released) for
@@ -338,6 +385,8 @@ async fn commits() {
             pool_size: 4,
             exit_if_unreachable: true,
             history_cache_bytes: cache,
+            store_timeout: Duration::from_secs(5),
+            migrate: true,
         };
         PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap()
     };

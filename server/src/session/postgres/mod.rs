@@ -17,10 +17,30 @@
 //! A replica may keep the conversations it knows (see `cache`): taking a
 //! lease then reads only the messages committed after what it knows.
 //!
+//! Every wait on the database is bounded: a query's lease and commit by the
+//! query's deadline, everything else by `store_timeout`; connections have
+//! TCP keepalives and a user timeout. A commit whose reply was lost (a
+//! reset connection, a failover) is resolved by asking again on another
+//! connection: its lease is given back by token, which fences off the
+//! commit still in flight, or, if that finds the token gone, the commit's
+//! token is read back. Only when no answer comes before the deadline is the
+//! outcome unknown ([`StoreError::CommitOutcomeUnknown`]).
+//!
+//! Statements carry their parameter types (`query_typed`): one round trip,
+//! and no named prepared statement, so PgBouncer's transaction pooling
+//! (which does not carry them between transactions before 1.21) works.
+//!
 //! Errors never carry the connection string: a failure is "the session
-//! store (postgres) is unavailable", logged with its SQLSTATE or kind.
+//! store (postgres) is unavailable", logged with the reason (a SQLSTATE, a
+//! TLS verdict, a refused or reset connection).
+
+mod connect;
+mod renew;
+mod schema;
+mod url;
 
 use std::{
+    future::Future,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -29,10 +49,11 @@ use std::{
 };
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio::sync::watch;
-use tokio_postgres::NoTls;
+pub use schema::{SchemaError, VERSION as SCHEMA_VERSION};
+use tokio::{sync::watch, time::Instant};
+use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use super::{
     Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache,
@@ -43,38 +64,8 @@ use crate::{
     metrics::{Family, Metrics},
 };
 
-/// How long a pool waits for a connection, or to make one, before the
-/// operation fails as unavailable.
-const POOL_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The schema, one step per version. Applied in order, each once, under an
-/// advisory lock (replicas starting together take turns).
-const MIGRATIONS: &[&str] = &[
-    // 1: sessions, their leases, and their messages.
-    "CREATE TABLE lattice_sessions (
-        id text PRIMARY KEY,
-        agent text NOT NULL,
-        version bigint NOT NULL DEFAULT 0,
-        message_count bigint NOT NULL DEFAULT 0,
-        lease_token uuid,
-        lease_expires timestamptz,
-        created_at timestamptz NOT NULL DEFAULT now(),
-        touched_at timestamptz NOT NULL DEFAULT now()
-    );
-    CREATE INDEX lattice_sessions_touched ON lattice_sessions (touched_at);
-    CREATE TABLE lattice_messages (
-        session_id text NOT NULL REFERENCES lattice_sessions (id) ON DELETE CASCADE,
-        seq bigint NOT NULL,
-        message text NOT NULL,
-        PRIMARY KEY (session_id, seq)
-    );",
-    // 2: the principal that created each session ('' with authentication
-    // off, and for sessions created before this version).
-    "ALTER TABLE lattice_sessions ADD COLUMN owner text NOT NULL DEFAULT '';",
-];
-
-/// The migration lock's key ("lattice" in ASCII).
-const MIGRATION_LOCK: i64 = 0x006c_6174_7469_6365;
+/// A statement's parameter and its type.
+type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 
 /// Sessions in PostgreSQL.
 #[derive(Debug, Clone)]
@@ -82,6 +73,11 @@ pub struct PostgresStore {
     pool: Pool,
     lease_ttl: Duration,
     idle_ttl: Duration,
+    /// How long any statement but a query's lease and commit may wait.
+    timeout: Duration,
+    /// Whether start-up (and health, until it succeeds) migrates the
+    /// schema, or only checks it.
+    migrate: bool,
     /// The conversations this replica knows, if kept: taking a lease then
     /// reads only the messages committed since.
     cache: Option<Arc<HistoryCache>>,
@@ -91,27 +87,45 @@ pub struct PostgresStore {
     reads_whole: Arc<AtomicUsize>,
 }
 
-/// Logs a database error by kind (never its text, which may quote values)
-/// and maps it to "unavailable".
-fn unavailable(what: &str, e: &dyn std::fmt::Debug, code: Option<&str>) -> StoreError {
-    warn!(operation = what, sqlstate = code.unwrap_or("-"), error_kind = %short_kind(e), "session store failed");
+/// Logs why an operation failed (never the connection string, never a
+/// statement's values) and maps it to "unavailable".
+fn unavailable(what: &str, reason: &str) -> StoreError {
+    warn!(operation = what, reason, "session store failed");
     StoreError::Unavailable("postgres")
 }
 
-/// The variant name of an error's Debug form: enough to tell a refused
-/// connection from a timeout without printing its text.
-fn short_kind(e: &dyn std::fmt::Debug) -> String {
-    format!("{e:?}").split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or("error").to_owned()
+fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError {
+    move |e| unavailable(what, &connect::reason(&e))
 }
 
-fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError {
-    move |e| unavailable(what, &e, e.code().map(|c| c.code()))
+/// Why the pool gave no connection.
+fn pool_reason(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::Backend(b) => connect::reason(b),
+        deadpool_postgres::PoolError::Timeout(_) => "no connection within the store's timeout".to_owned(),
+        other => format!("{other}"),
+    }
 }
 
 fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolError) -> StoreError {
-    move |e| match &e {
-        deadpool_postgres::PoolError::Backend(b) => unavailable(what, b, b.code().map(|c| c.code())),
-        other => unavailable(what, other, None),
+    move |e| unavailable(what, &pool_reason(&e))
+}
+
+/// `fut`, given until `until`: past it, it is dropped (its connection with
+/// it: a statement cut off mid-way leaves no connection in the pool) and
+/// the operation fails as `late`.
+async fn bounded<T>(
+    until: Instant,
+    what: &'static str,
+    late: StoreError,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout_at(until, fut).await {
+        Ok(result) => result,
+        Err(_) => {
+            warn!(operation = what, "session store did not answer in time");
+            Err(late)
+        }
     }
 }
 
@@ -133,26 +147,58 @@ fn parse<'t>(session_id: &str, stored: impl Iterator<Item = &'t str>) -> Result<
 }
 
 impl PostgresStore {
-    /// A pool for `settings` (nothing connects yet).
+    /// A pool for `settings` (nothing connects yet). Err: the connection
+    /// string can't be used (said without quoting it).
     pub fn new(settings: &PostgresSettings, lease_ttl: Duration, idle_ttl: Duration) -> Result<Self, String> {
-        let mut pg: tokio_postgres::Config = settings
-            .url
-            .parse()
-            .map_err(|_| format!("the connection string in {} does not parse", settings.url_env))?;
-        pg.connect_timeout(POOL_TIMEOUT);
+        let target =
+            url::parse(&settings.url).map_err(|why| format!("the connection string in {}: {why}", settings.url_env))?;
+        let mut pg = target.config;
+        let timeout = settings.store_timeout;
+        pg.connect_timeout(pg.get_connect_timeout().copied().unwrap_or(timeout).min(timeout));
         pg.application_name("lattice");
-        let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        // A server that vanished without a reset (a failover's old primary,
+        // a cut network) is noticed by the kernel, not only by our timers:
+        // unanswered keepalives, and data left unacknowledged for the
+        // store's timeout, close the connection. (The string's own
+        // settings win.)
+        pg.keepalives(true);
+        if pg.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+            pg.keepalives_idle(Duration::from_secs(10));
+        }
+        if pg.get_keepalives_interval().is_none() {
+            pg.keepalives_interval(Duration::from_secs(5));
+        }
+        if pg.get_keepalives_retries().is_none() {
+            pg.keepalives_retries(3);
+        }
+        if pg.get_tcp_user_timeout().is_none() {
+            pg.tcp_user_timeout(timeout);
+        }
+        let manager = Manager::from_connect(
+            pg,
+            connect::Connector::new(target.tls),
+            ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        );
         let pool = Pool::builder(manager)
             .max_size(settings.pool_size)
-            .wait_timeout(Some(POOL_TIMEOUT))
-            .create_timeout(Some(POOL_TIMEOUT))
-            .recycle_timeout(Some(POOL_TIMEOUT))
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(|e| format!("cannot build the connection pool: {e}"))?;
         let cache =
             (settings.history_cache_bytes > 0).then(|| Arc::new(HistoryCache::new(settings.history_cache_bytes)));
-        Ok(Self { pool, lease_ttl, idle_ttl, cache, reads_new_only: Arc::default(), reads_whole: Arc::default() })
+        Ok(Self {
+            pool,
+            lease_ttl,
+            idle_ttl,
+            timeout,
+            migrate: settings.migrate,
+            cache,
+            reads_new_only: Arc::default(),
+            reads_whole: Arc::default(),
+        })
     }
 
     /// Shows the store's reads and its cache in `metrics`.
@@ -165,33 +211,28 @@ impl PostgresStore {
         }
     }
 
-    /// Brings the schema up to date (idempotent; safe from many replicas).
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut client = self.pool.get().await.map_err(pool_error("migrate"))?;
-        let tx = client.transaction().await.map_err(db("migrate"))?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await.map_err(db("migrate"))?;
-        tx.batch_execute(
-            "CREATE TABLE IF NOT EXISTS lattice_migrations (
-                version integer PRIMARY KEY,
-                applied_at timestamptz NOT NULL DEFAULT now()
-            )",
-        )
-        .await
-        .map_err(db("migrate"))?;
-        let row = tx
-            .query_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[])
+    /// Makes the schema usable: brings it up to date with `migrate =
+    /// "auto"`, else checks that it is this build's (within the store's
+    /// timeout).
+    pub async fn prepare_schema(&self) -> Result<(), SchemaError> {
+        let work = async {
+            if self.migrate { schema::migrate(&self.pool).await.map(drop) } else { schema::check(&self.pool).await }
+        };
+        tokio::time::timeout(self.timeout, work)
             .await
-            .map_err(db("migrate"))?;
-        let applied: i32 = row.try_get(0).map_err(db("migrate"))?;
-        for (i, step) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
-            let version = i as i32 + 1;
-            tx.batch_execute(step).await.map_err(db("migrate"))?;
-            tx.execute("INSERT INTO lattice_migrations (version) VALUES ($1)", &[&version])
-                .await
-                .map_err(db("migrate"))?;
-            info!(version, "session store schema migrated");
-        }
-        tx.commit().await.map_err(db("migrate"))
+            .unwrap_or_else(|_| Err(SchemaError::Unreachable("the database did not answer in time".into())))
+    }
+
+    /// Brings the schema up to date (idempotent; safe from many replicas),
+    /// whatever `migrate` says: `lattice migrate`. Returns the versions
+    /// applied.
+    pub async fn migrate(&self) -> Result<Vec<i32>, SchemaError> {
+        schema::migrate(&self.pool).await
+    }
+
+    /// The deadline of a statement that has only the store's timeout.
+    fn soon(&self) -> Instant {
+        Instant::now() + self.timeout
     }
 
     fn ttl_ms(&self) -> f64 {
@@ -209,57 +250,67 @@ impl PostgresStore {
         from: i64,
         count: i64,
     ) -> Result<Vec<Message>, StoreError> {
-        let stmt = client
-            .prepare_cached(
+        let rows = client
+            .query_typed(
                 "SELECT message FROM lattice_messages WHERE session_id = $1 AND seq >= $2 AND seq < $3 ORDER BY seq",
+                &[(&session_id, Type::TEXT), (&from, Type::INT8), (&count, Type::INT8)],
             )
             .await
             .map_err(db("read"))?;
-        let rows = client.query(&stmt, &[&session_id, &from, &count]).await.map_err(db("read"))?;
         let stored: Vec<&str> = rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(db("read"))?;
         parse(session_id, stored.into_iter())
     }
 
-    /// Keeps the lease alive while its query runs; says so on `lost` if it
-    /// can't. Ends when `done` is cancelled (commit or release).
+    /// Gives back the lease `token` of session `id`, by token: from then on
+    /// no commit in flight under it can land. Deletes the session instead
+    /// when its first query `created` it (a failed query leaves nothing).
+    /// Ok(true): given back here; Ok(false): the token was no longer there
+    /// (committed, expired or taken over).
+    async fn give_back(&self, id: &str, token: uuid::Uuid, created: bool) -> Result<bool, StoreError> {
+        let client = self.pool.get().await.map_err(pool_error("release"))?;
+        let sql = if created {
+            "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
+        } else {
+            "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL WHERE id = $1 AND lease_token = $2"
+        };
+        let n = client.execute_typed(sql, &[(&id, Type::TEXT), (&token, Type::UUID)]).await.map_err(db("release"))?;
+        if created && let Some(cache) = &self.cache {
+            cache.forget(id);
+        }
+        Ok(n == 1)
+    }
+
+    /// Whether the commit made under `token` is the session's last.
+    async fn landed(&self, id: &str, token: uuid::Uuid) -> Result<bool, StoreError> {
+        let client = self.pool.get().await.map_err(pool_error("read back"))?;
+        let row = client
+            .query_typed_opt(
+                "SELECT last_commit = $2 FROM lattice_sessions WHERE id = $1",
+                &[(&id, Type::TEXT), (&token, Type::UUID)],
+            )
+            .await
+            .map_err(db("read back"))?;
+        Ok(row.and_then(|r| r.try_get::<_, Option<bool>>(0).ok().flatten()).unwrap_or(false))
+    }
+
+    /// Renews a lease while its query runs (see [`renew::keep_alive`]).
     fn renew(&self, id: String, token: uuid::Uuid, lost: watch::Sender<bool>, done: CancellationToken) {
         let store = self.clone();
-        tokio::spawn(async move {
-            let every = store.lease_ttl / 3;
-            let mut held_until = tokio::time::Instant::now() + store.lease_ttl;
-            loop {
-                tokio::select! {
-                    () = done.cancelled() => return,
-                    () = tokio::time::sleep(every) => {}
-                }
-                let renewed = async {
-                    let client = store.pool.get().await.map_err(pool_error("renew"))?;
-                    let stmt = client
-                        .prepare_cached(
-                            "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
-                             WHERE id = $1 AND lease_token = $2",
-                        )
-                        .await
-                        .map_err(db("renew"))?;
-                    client.execute(&stmt, &[&id, &token, &store.ttl_ms()]).await.map_err(db("renew"))
-                };
-                let now = tokio::time::Instant::now();
-                match renewed.await {
-                    Ok(1) => held_until = now + store.lease_ttl,
-                    Ok(_) => {
-                        warn!(session_id = %id, "the session's lease was taken over");
-                        let _ = lost.send(true);
-                        return;
-                    }
-                    // The database is away: the lease holds until it expires.
-                    Err(_) if now < held_until => {}
-                    Err(_) => {
-                        let _ = lost.send(true);
-                        return;
-                    }
-                }
+        let attempt = move || {
+            let (store, id) = (store.clone(), id.clone());
+            async move {
+                let client = store.pool.get().await.map_err(pool_error("renew"))?;
+                client
+                    .execute_typed(
+                        "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
+                         WHERE id = $1 AND lease_token = $2",
+                        &[(&id, Type::TEXT), (&token, Type::UUID), (&store.ttl_ms(), Type::FLOAT8)],
+                    )
+                    .await
+                    .map_err(db("renew"))
             }
-        });
+        };
+        tokio::spawn(renew::keep_alive(self.lease_ttl, self.timeout, attempt, lost, done));
     }
 }
 
@@ -279,71 +330,307 @@ struct PgLease {
     done: CancellationToken,
 }
 
+/// What became of a commit statement.
+enum Sent {
+    /// It ran and committed.
+    Committed,
+    /// It ran and found the lease gone (expired and taken over): nothing
+    /// was written.
+    LeaseGone,
+    /// It was not sent (no connection), or the server refused it (its
+    /// transaction rolled back): nothing was written.
+    NotWritten,
+    /// It was sent and no answer came (a reset, a failover): it may have
+    /// landed.
+    Unknown,
+}
+
+impl PgLease {
+    /// The commit statement, once.
+    async fn send_commit(&self, rows: &[String]) -> Sent {
+        let client = match self.store.pool.get().await {
+            Ok(c) => c,
+            Err(e) => {
+                pool_error("commit")(e);
+                return Sent::NotWritten;
+            }
+        };
+        let n = rows.len() as i64;
+        // One statement, so one round trip and atomic: the version bump
+        // (only with our token and the version we read), the new rows
+        // numbered after the old ones, the commit's token (to read back),
+        // and the release. No bump, no rows.
+        let params: [Param<'_>; 5] = [
+            (&self.id, Type::TEXT),
+            (&self.token, Type::UUID),
+            (&self.version, Type::INT8),
+            (&n, Type::INT8),
+            (&rows, Type::TEXT_ARRAY),
+        ];
+        let result = client
+            .query_typed_one(
+                "WITH bump AS (
+                     UPDATE lattice_sessions
+                     SET version = version + 1, message_count = message_count + $4, last_commit = $2,
+                         lease_token = NULL, lease_expires = NULL, touched_at = now()
+                     WHERE id = $1 AND lease_token = $2 AND version = $3
+                     RETURNING message_count - $4 AS first
+                 ), rows AS (
+                     INSERT INTO lattice_messages (session_id, seq, message)
+                     SELECT $1, bump.first + t.ord - 1, t.m
+                     FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
+                 )
+                 SELECT count(*) FROM bump",
+                &params,
+            )
+            .await;
+        match result.and_then(|row| row.try_get::<_, i64>(0)) {
+            Ok(1) => Sent::Committed,
+            Ok(_) => Sent::LeaseGone,
+            Err(e) => {
+                let refused = e.as_db_error().is_some();
+                db("commit")(e);
+                if refused { Sent::NotWritten } else { Sent::Unknown }
+            }
+        }
+    }
+
+    /// Gives the lease back by token in a task of its own, within the
+    /// store's timeout (whoever waits for it may stop waiting).
+    fn give_back_later(&self) -> tokio::task::JoinHandle<()> {
+        let store = self.store.clone();
+        let (id, token, created) = (self.id.clone(), self.token, self.created);
+        tokio::spawn(async move {
+            let soon = store.soon();
+            let _ = bounded(soon, "release", StoreError::Deadline, store.give_back(&id, token, created)).await;
+        })
+    }
+
+    /// After a commit that may have landed: gives the lease back by token,
+    /// which fences off the commit if it is still in flight, or, if the
+    /// token is gone, reads back whether the commit took it.
+    async fn settle(&self, until: Instant) -> Result<(), StoreError> {
+        let resolved = bounded(until, "read back", StoreError::CommitOutcomeUnknown, async {
+            if self.store.give_back(&self.id, self.token, self.created).await? {
+                // Given back here: no commit under this token can land now.
+                return Ok(Err(StoreError::Unavailable("postgres")));
+            }
+            // The token is gone: our commit took it, or the lease expired.
+            Ok(if self.store.landed(&self.id, self.token).await? { Ok(()) } else { Err(StoreError::LeaseLost) })
+        })
+        .await;
+        // Not asked in time, or not answered: nobody can tell.
+        resolved.unwrap_or(Err(StoreError::CommitOutcomeUnknown))
+    }
+}
+
 impl LeaseHolder for PgLease {
-    fn commit(&self, appended: Vec<Message>) -> StoreFuture<'_, ()> {
+    fn commit(&self, appended: Vec<Message>, deadline: Option<Instant>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             self.done.cancel();
+            let until = deadline.unwrap_or_else(|| self.store.soon());
             let rows: Vec<String> = appended
                 .iter()
                 .map(|m| serde_json::to_string(m).map_err(|_| StoreError::Unavailable("postgres")))
                 .collect::<Result<_, _>>()?;
-            let n = rows.len() as i64;
-            let client = self.store.pool.get().await.map_err(pool_error("commit"))?;
-            // One statement, so one round trip and atomic: the version bump
-            // (only with our token and the version we read), the new rows
-            // numbered after the old ones, and the release. No bump, no rows.
-            let stmt = client
-                .prepare_cached(
-                    "WITH bump AS (
-                         UPDATE lattice_sessions
-                         SET version = version + 1, message_count = message_count + $4,
-                             lease_token = NULL, lease_expires = NULL, touched_at = now()
-                         WHERE id = $1 AND lease_token = $2 AND version = $3
-                         RETURNING message_count - $4 AS first
-                     ), rows AS (
-                         INSERT INTO lattice_messages (session_id, seq, message)
-                         SELECT $1, bump.first + t.ord - 1, t.m
-                         FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
-                     )
-                     SELECT count(*) FROM bump",
-                )
-                .await
-                .map_err(db("commit"))?;
-            let row = client
-                .query_one(&stmt, &[&self.id, &self.token, &self.version, &n, &rows])
-                .await
-                .map_err(db("commit"))?;
-            let committed: i64 = row.try_get(0).map_err(db("commit"))?;
-            if committed != 1 {
-                return Err(StoreError::LeaseLost);
+            if Instant::now() >= until {
+                // Not sent: nothing written.
+                self.give_back_later();
+                return Err(StoreError::Deadline);
             }
-            debug!(session_id = %self.id, appended = n, "session committed");
-            if let Some(cache) = &self.store.cache {
-                cache.append(&self.id, self.born, self.count, appended);
+            let sent = match tokio::time::timeout_at(until, self.send_commit(&rows)).await {
+                Ok(sent) => sent,
+                Err(_) => {
+                    warn!(operation = "commit", "session store did not answer before the query's deadline");
+                    // Nothing can be asked after the deadline. The lease is
+                    // still given back (if the commit did not take it), so
+                    // that the session is free again sooner.
+                    self.give_back_later();
+                    return Err(StoreError::CommitOutcomeUnknown);
+                }
+            };
+            let outcome = match sent {
+                Sent::Committed => Ok(()),
+                Sent::LeaseGone => Err(StoreError::LeaseLost),
+                Sent::NotWritten => {
+                    // The lease is given back, so that a retry finds the
+                    // session free (best effort: else it expires).
+                    let _ = tokio::time::timeout_at(until, self.give_back_later()).await;
+                    Err(StoreError::Unavailable("postgres"))
+                }
+                Sent::Unknown => self.settle(until).await,
+            };
+            match &outcome {
+                Ok(()) => {
+                    debug!(session_id = %self.id, appended = rows.len(), "session committed");
+                    if let Some(cache) = &self.store.cache {
+                        cache.append(&self.id, self.born, self.count, appended);
+                    }
+                }
+                Err(e) => debug!(session_id = %self.id, error = %e, "session not committed"),
             }
-            Ok(())
+            outcome
         })
     }
 
     fn release(self: Arc<Self>) -> StoreFuture<'static, ()> {
         self.done.cancel();
         Box::pin(async move {
-            let client = self.store.pool.get().await.map_err(pool_error("release"))?;
-            // A session its first query created, and that failed, is
-            // deleted: a failed query leaves nothing behind.
-            let sql = if self.created {
-                "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
-            } else {
-                "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL
-                 WHERE id = $1 AND lease_token = $2"
-            };
-            let stmt = client.prepare_cached(sql).await.map_err(db("release"))?;
-            client.execute(&stmt, &[&self.id, &self.token]).await.map_err(db("release"))?;
-            if let Some(cache) = self.store.cache.as_ref().filter(|_| self.created) {
-                cache.forget(&self.id);
-            }
-            Ok(())
+            let until = self.store.soon();
+            bounded(until, "release", StoreError::Unavailable("postgres"), async {
+                self.store.give_back(&self.id, self.token, self.created).await.map(drop)
+            })
+            .await
         })
+    }
+}
+
+impl PostgresStore {
+    /// Takes a session's lease (see [`SessionStore::acquire_as`]) under
+    /// `token`.
+    async fn lease(
+        &self,
+        session_id: &str,
+        agent: &str,
+        owner: Option<&str>,
+        create: bool,
+        token: uuid::Uuid,
+    ) -> Result<Lease, StoreError> {
+        let client = self.pool.get().await.map_err(pool_error("acquire"))?;
+        let (session, version, born) = if create {
+            let owner = owner.unwrap_or_default();
+            let params: [Param<'_>; 5] = [
+                (&session_id, Type::TEXT),
+                (&agent, Type::TEXT),
+                (&token, Type::UUID),
+                (&self.ttl_ms(), Type::FLOAT8),
+                (&owner, Type::TEXT),
+            ];
+            let inserted = client
+                .query_typed_opt(
+                    "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires, owner)
+                     VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond', $5)
+                     ON CONFLICT (id) DO NOTHING
+                     RETURNING (extract(epoch FROM created_at) * 1000000)::bigint",
+                    &params,
+                )
+                .await
+                .map_err(db("acquire"))?;
+            let Some(row) = inserted else { return Err(StoreError::Busy) };
+            let born: i64 = row.try_get(0).map_err(db("acquire"))?;
+            if let Some(cache) = &self.cache {
+                cache.put(session_id, born, &[]);
+            }
+            (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0, born)
+        } else {
+            // What this replica knows of the conversation: the statement
+            // reads only the messages after it, unless the session is
+            // another one under the same id (created at another time).
+            let known = self.cache.as_ref().and_then(|c| c.get(session_id));
+            let known_born = known.as_ref().map(|k| k.born);
+            let known_count = known.as_ref().map_or(0, |k| k.messages.len() as i64);
+            // One round trip: the lease and, read in the same statement,
+            // the history it continues.
+            let params: [Param<'_>; 7] = [
+                (&session_id, Type::TEXT),
+                (&token, Type::UUID),
+                (&self.ttl_ms(), Type::FLOAT8),
+                (&self.idle_s(), Type::FLOAT8),
+                (&owner, Type::TEXT),
+                (&known_born, Type::INT8),
+                (&known_count, Type::INT8),
+            ];
+            let row = client
+                .query_typed_opt(
+                    "WITH lease AS (
+                         UPDATE lattice_sessions
+                         SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
+                             touched_at = now()
+                         WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
+                           AND ($5::text IS NULL OR owner = $5)
+                           AND (lease_token IS NULL OR lease_expires < now())
+                         RETURNING agent, version, message_count,
+                                   (extract(epoch FROM created_at) * 1000000)::bigint AS born
+                     ), known AS (
+                         SELECT CASE WHEN born = $6::bigint AND $7::bigint <= message_count
+                                     THEN $7::bigint ELSE 0 END AS start
+                         FROM lease
+                     )
+                     SELECT agent, version, message_count, born, start,
+                            ARRAY(SELECT message FROM lattice_messages
+                                  WHERE session_id = $1 AND seq >= known.start AND seq < lease.message_count
+                                  ORDER BY seq)
+                     FROM lease, known",
+                    &params,
+                )
+                .await
+                .map_err(db("acquire"))?;
+            let Some(row) = row else {
+                let found = client
+                    .query_typed_opt(
+                        "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
+                           AND ($3::text IS NULL OR owner = $3)",
+                        &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8), (&owner, Type::TEXT)],
+                    )
+                    .await
+                    .map_err(db("acquire"))?;
+                return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
+            };
+            let column = |i: usize| row.try_get::<_, i64>(i).map_err(db("acquire"));
+            let agent: String = row.try_get(0).map_err(db("acquire"))?;
+            let (version, count, born, start) = (column(1)?, column(2)?, column(3)?, column(4)?);
+            let stored: Vec<&str> = row.try_get(5).map_err(db("acquire"))?;
+            let fresh = if stored.len() as i64 == count - start {
+                parse(session_id, stored.into_iter())?
+            } else {
+                // The statement waited for the row while the previous
+                // query's commit landed: it took the lease after that
+                // commit, but read the messages as they were before it.
+                // A statement of its own reads them as committed. (On an
+                // error the caller gives the lease back.)
+                Self::messages(&client, session_id, start, count).await?
+            };
+            let messages = match known.filter(|_| start > 0) {
+                // The known messages, and the rest as read.
+                Some(known) => {
+                    self.reads_new_only.fetch_add(1, Ordering::Relaxed);
+                    let mut messages = Vec::with_capacity(known.messages.len() + fresh.len());
+                    messages.extend_from_slice(&known.messages);
+                    let at = known.messages.len();
+                    // Released before the cache extends its copy, which
+                    // then has no other holder and grows in place.
+                    drop(known);
+                    if let Some(cache) = &self.cache {
+                        cache.append(session_id, born, at, fresh.clone());
+                    }
+                    messages.extend(fresh);
+                    messages
+                }
+                None => {
+                    self.reads_whole.fetch_add(1, Ordering::Relaxed);
+                    if let Some(cache) = &self.cache {
+                        cache.put(session_id, born, &fresh);
+                    }
+                    fresh
+                }
+            };
+            (StoredSession { agent, messages }, version, born)
+        };
+        let count = session.messages.len();
+        let (lost_tx, lost) = watch::channel(false);
+        let done = CancellationToken::new();
+        self.renew(session_id.to_owned(), token, lost_tx, done.clone());
+        let holder = PgLease {
+            store: self.clone(),
+            id: session_id.to_owned(),
+            token,
+            version,
+            created: create,
+            born,
+            count,
+            done,
+        };
+        Ok(Lease::new(session, create, Arc::new(holder), lost))
     }
 }
 
@@ -355,143 +642,41 @@ impl SessionStore for PostgresStore {
         owner: Option<&'a str>,
         create: bool,
     ) -> StoreFuture<'a, Lease> {
+        self.acquire_until(session_id, agent, owner, create, self.soon())
+    }
+
+    fn acquire_until<'a>(
+        &'a self,
+        session_id: &'a str,
+        agent: &'a str,
+        owner: Option<&'a str>,
+        create: bool,
+        deadline: Instant,
+    ) -> StoreFuture<'a, Lease> {
         Box::pin(async move {
             let token = uuid::Uuid::new_v4();
-            let client = self.pool.get().await.map_err(pool_error("acquire"))?;
-            let (session, version, born) = if create {
-                let stmt = client
-                    .prepare_cached(
-                        "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires, owner)
-                         VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond', $5)
-                         ON CONFLICT (id) DO NOTHING
-                         RETURNING (extract(epoch FROM created_at) * 1000000)::bigint",
-                    )
-                    .await
-                    .map_err(db("acquire"))?;
-                let inserted = client
-                    .query_opt(&stmt, &[&session_id, &agent, &token, &self.ttl_ms(), &owner.unwrap_or_default()])
-                    .await
-                    .map_err(db("acquire"))?;
-                let Some(row) = inserted else { return Err(StoreError::Busy) };
-                let born: i64 = row.try_get(0).map_err(db("acquire"))?;
-                if let Some(cache) = &self.cache {
-                    cache.put(session_id, born, &[]);
+            let taken = tokio::time::timeout_at(deadline, self.lease(session_id, agent, owner, create, token)).await;
+            let failed = match taken {
+                Ok(Ok(lease)) => return Ok(lease),
+                Ok(Err(e @ (StoreError::Busy | StoreError::NotFound))) => return Err(e),
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    warn!(operation = "acquire", "session store did not answer before the query's deadline");
+                    StoreError::Deadline
                 }
-                (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0, born)
-            } else {
-                // What this replica knows of the conversation: the statement
-                // reads only the messages after it, unless the session is
-                // another one under the same id (created at another time).
-                let known = self.cache.as_ref().and_then(|c| c.get(session_id));
-                let known_born = known.as_ref().map(|k| k.born);
-                let known_count = known.as_ref().map_or(0, |k| k.messages.len() as i64);
-                // One round trip: the lease and, read in the same statement,
-                // the history it continues.
-                let stmt = client
-                    .prepare_cached(
-                        "WITH lease AS (
-                             UPDATE lattice_sessions
-                             SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
-                                 touched_at = now()
-                             WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
-                               AND ($5::text IS NULL OR owner = $5)
-                               AND (lease_token IS NULL OR lease_expires < now())
-                             RETURNING agent, version, message_count,
-                                       (extract(epoch FROM created_at) * 1000000)::bigint AS born
-                         ), known AS (
-                             SELECT CASE WHEN born = $6::bigint AND $7::bigint <= message_count
-                                         THEN $7::bigint ELSE 0 END AS start
-                             FROM lease
-                         )
-                         SELECT agent, version, message_count, born, start,
-                                ARRAY(SELECT message FROM lattice_messages
-                                      WHERE session_id = $1 AND seq >= known.start AND seq < lease.message_count
-                                      ORDER BY seq)
-                         FROM lease, known",
-                    )
-                    .await
-                    .map_err(db("acquire"))?;
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-                    [&session_id, &token, &self.ttl_ms(), &self.idle_s(), &owner, &known_born, &known_count];
-                let row = client.query_opt(&stmt, &params).await.map_err(db("acquire"))?;
-                let Some(row) = row else {
-                    let exists = client
-                        .prepare_cached(
-                            "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
-                               AND ($3::text IS NULL OR owner = $3)",
-                        )
-                        .await
-                        .map_err(db("acquire"))?;
-                    let found = client
-                        .query_opt(&exists, &[&session_id, &self.idle_s(), &owner])
-                        .await
-                        .map_err(db("acquire"))?;
-                    return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
-                };
-                let column = |i: usize| row.try_get::<_, i64>(i).map_err(db("acquire"));
-                let agent: String = row.try_get(0).map_err(db("acquire"))?;
-                let (version, count, born, start) = (column(1)?, column(2)?, column(3)?, column(4)?);
-                let stored: Vec<&str> = row.try_get(5).map_err(db("acquire"))?;
-                let fresh = if stored.len() as i64 == count - start {
-                    parse(session_id, stored.into_iter())
-                } else {
-                    // The statement waited for the row while the previous
-                    // query's commit landed: it took the lease after that
-                    // commit, but read the messages as they were before it.
-                    // A statement of its own reads them as committed.
-                    Self::messages(&client, session_id, start, count).await
-                };
-                let fresh = match fresh {
-                    Ok(m) => m,
-                    Err(e) => {
-                        // Give the lease back before failing.
-                        let undo = "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL
-                                    WHERE id = $1 AND lease_token = $2";
-                        let _ = client.execute(undo, &[&session_id, &token]).await;
-                        return Err(e);
-                    }
-                };
-                let messages = match known.filter(|_| start > 0) {
-                    // The known messages, and the rest as read.
-                    Some(known) => {
-                        self.reads_new_only.fetch_add(1, Ordering::Relaxed);
-                        let mut messages = Vec::with_capacity(known.messages.len() + fresh.len());
-                        messages.extend_from_slice(&known.messages);
-                        let at = known.messages.len();
-                        // Released before the cache extends its copy, which
-                        // then has no other holder and grows in place.
-                        drop(known);
-                        if let Some(cache) = &self.cache {
-                            cache.append(session_id, born, at, fresh.clone());
-                        }
-                        messages.extend(fresh);
-                        messages
-                    }
-                    None => {
-                        self.reads_whole.fetch_add(1, Ordering::Relaxed);
-                        if let Some(cache) = &self.cache {
-                            cache.put(session_id, born, &fresh);
-                        }
-                        fresh
-                    }
-                };
-                (StoredSession { agent, messages }, version, born)
             };
-            let count = session.messages.len();
-            let (lost_tx, lost) = watch::channel(false);
-            let done = CancellationToken::new();
-            self.renew(session_id.to_owned(), token, lost_tx, done.clone());
-            let holder = PgLease {
-                store: self.clone(),
-                id: session_id.to_owned(),
-                token,
-                version,
-                created: create,
-                born,
-                count,
-                done,
-            };
-            Ok(Lease::new(session, create, Arc::new(holder), lost))
+            // The store may have granted the lease before the reply was
+            // lost or the deadline came: give it back by token, in the
+            // background (within the store's timeout), so that a retry
+            // finds the session free.
+            let store = self.clone();
+            let (id, until) = (session_id.to_owned(), self.soon());
+            tokio::spawn(async move {
+                let _ =
+                    bounded(until, "release", StoreError::Unavailable("postgres"), store.give_back(&id, token, create))
+                        .await;
+            });
+            Err(failed)
         })
     }
 
@@ -503,7 +688,7 @@ impl SessionStore for PostgresStore {
         most: usize,
         bytes: usize,
     ) -> StoreFuture<'a, StoredPage> {
-        Box::pin(async move {
+        Box::pin(bounded(self.soon(), "get", StoreError::Unavailable("postgres"), async move {
             let client = self.pool.get().await.map_err(pool_error("get"))?;
             // The session and its page in one statement (one snapshot). The
             // page is walked message by message, one index lookup each, and
@@ -515,8 +700,17 @@ impl SessionStore for PostgresStore {
             // is a statement of its own, run only then: an UPDATE in this
             // one would make PostgreSQL hold the whole page back until the
             // statement ends (a page of 4 MiB took 5 ms longer).
-            let stmt = client
-                .prepare_cached(
+            let (from, most, bytes) = (clamp(from), clamp(most), clamp(bytes));
+            let params: [Param<'_>; 6] = [
+                (&session_id, Type::TEXT),
+                (&self.idle_s(), Type::FLOAT8),
+                (&owner, Type::TEXT),
+                (&from, Type::INT8),
+                (&most, Type::INT8),
+                (&bytes, Type::INT8),
+            ];
+            let row = client
+                .query_typed_opt(
                     "WITH RECURSIVE s AS (
                          SELECT agent, message_count,
                                 touched_at < now() - $2 * interval '100 milliseconds' AS stale
@@ -534,12 +728,8 @@ impl SessionStore for PostgresStore {
                            AND m.seq - $4 < $5 AND page.upto < $6
                      )
                      SELECT agent, message_count, stale, ARRAY(SELECT message FROM page ORDER BY seq) FROM s",
+                    &params,
                 )
-                .await
-                .map_err(db("get"))?;
-            let (from, most, bytes) = (clamp(from), clamp(most), clamp(bytes));
-            let row = client
-                .query_opt(&stmt, &[&session_id, &self.idle_s(), &owner, &from, &most, &bytes])
                 .await
                 .map_err(db("get"))?;
             let row = row.ok_or(StoreError::NotFound)?;
@@ -550,53 +740,54 @@ impl SessionStore for PostgresStore {
                 row.try_get(3).map_err(db("get"))?,
             );
             if stale {
-                let touch = client
-                    .prepare_cached(
+                client
+                    .execute_typed(
                         "UPDATE lattice_sessions SET touched_at = now()
                          WHERE id = $1 AND touched_at < now() - $2 * interval '100 milliseconds'",
+                        &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8)],
                     )
                     .await
                     .map_err(db("touch"))?;
-                client.execute(&touch, &[&session_id, &self.idle_s()]).await.map_err(db("touch"))?;
             }
             let total = usize::try_from(total).unwrap_or_default();
             Ok(StoredPage { agent, total, messages: parse(session_id, stored.into_iter())? })
-        })
+        }))
     }
 
     fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()> {
-        Box::pin(async move {
+        Box::pin(bounded(self.soon(), "delete", StoreError::Unavailable("postgres"), async move {
             let client = self.pool.get().await.map_err(pool_error("delete"))?;
-            let stmt = client
-                .prepare_cached(
+            let deleted = client
+                .execute_typed(
                     "DELETE FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)
                        AND (lease_token IS NULL OR lease_expires < now())",
+                    &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
                 )
                 .await
                 .map_err(db("delete"))?;
-            if client.execute(&stmt, &[&session_id, &owner]).await.map_err(db("delete"))? == 1 {
+            if deleted == 1 {
                 if let Some(cache) = &self.cache {
                     cache.forget(session_id);
                 }
                 return Ok(());
             }
             let found = client
-                .query_opt(
+                .query_typed_opt(
                     "SELECT 1 FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)",
-                    &[&session_id, &owner],
+                    &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
                 )
                 .await
                 .map_err(db("delete"))?;
             Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound })
-        })
+        }))
     }
 
     fn ready(&self) -> StoreFuture<'_, ()> {
-        Box::pin(async move {
+        Box::pin(bounded(self.soon(), "ready", StoreError::Unavailable("postgres"), async move {
             let client = self.pool.get().await.map_err(pool_error("ready"))?;
             client.simple_query("SELECT 1").await.map_err(db("ready"))?;
             Ok(())
-        })
+        }))
     }
 
     fn name(&self) -> &'static str {
@@ -607,14 +798,17 @@ impl SessionStore for PostgresStore {
 impl PostgresStore {
     /// Deletes sessions idle past the limit (their messages go with them).
     pub async fn sweep(&self) -> Result<u64, StoreError> {
-        let client = self.pool.get().await.map_err(pool_error("sweep"))?;
-        client
-            .execute(
-                "DELETE FROM lattice_sessions WHERE touched_at < now() - $1 * interval '1 second'
-                 AND (lease_token IS NULL OR lease_expires < now())",
-                &[&self.idle_s()],
-            )
-            .await
-            .map_err(db("sweep"))
+        bounded(self.soon(), "sweep", StoreError::Unavailable("postgres"), async {
+            let client = self.pool.get().await.map_err(pool_error("sweep"))?;
+            client
+                .execute_typed(
+                    "DELETE FROM lattice_sessions WHERE touched_at < now() - $1 * interval '1 second'
+                     AND (lease_token IS NULL OR lease_expires < now())",
+                    &[(&self.idle_s(), Type::FLOAT8)],
+                )
+                .await
+                .map_err(db("sweep"))
+        })
+        .await
     }
 }

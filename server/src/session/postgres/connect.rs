@@ -1,0 +1,387 @@
+//! New connections to PostgreSQL, as the pool asks for them: TLS (rustls)
+//! as the connection string's `sslmode` says, the certificate files re-read
+//! for each connection (rotation needs no restart), and, when one fails,
+//! the reason in words an operator can act on, never the connection string.
+
+use std::{
+    io,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use deadpool_postgres::Connect;
+use futures_util::future::BoxFuture;
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+    client::{
+        WebPkiServerVerifier,
+        danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    },
+    crypto::CryptoProvider,
+    pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime, pem::PemObject},
+};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    task::JoinHandle,
+};
+use tokio_postgres::{
+    Client, Config, NoTls, Socket,
+    config::SslMode as PgSslMode,
+    tls::{ChannelBinding, MakeTlsConnect, TlsConnect},
+};
+use tracing::warn;
+
+use super::url::{RootCert, SslMode, TlsParams, Verification};
+
+/// Makes the pool's connections.
+#[derive(Debug, Clone)]
+pub struct Connector {
+    tls: TlsParams,
+}
+
+impl Connector {
+    /// Connections with `tls`.
+    pub fn new(tls: TlsParams) -> Self {
+        Self { tls }
+    }
+
+    async fn connect_with<T>(
+        pg: &Config,
+        mode: PgSslMode,
+        tls: T,
+    ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error>
+    where
+        T: MakeTlsConnect<Socket> + Send,
+        T::Stream: Send + 'static,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        let mut pg = pg.clone();
+        pg.ssl_mode(mode);
+        let (client, connection) = pg.connect(tls).await?;
+        // How a connection ended is for the next statement on it to say;
+        // its error's text is the server's, so it is not logged here.
+        let task = tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok((client, task))
+    }
+}
+
+impl Connect for Connector {
+    fn connect(&self, pg: &Config) -> BoxFuture<'_, Result<(Client, JoinHandle<()>), tokio_postgres::Error>> {
+        let pg = pg.clone();
+        Box::pin(async move {
+            let tls = Rustls { params: self.tls.clone() };
+            match self.tls.mode {
+                SslMode::Disable => Self::connect_with(&pg, PgSslMode::Disable, NoTls).await,
+                // Plaintext first; TLS when the server refuses plaintext.
+                SslMode::Allow => match Self::connect_with(&pg, PgSslMode::Disable, NoTls).await {
+                    Err(e) if refuses_plaintext(&e) => Self::connect_with(&pg, PgSslMode::Require, tls).await,
+                    other => other,
+                },
+                SslMode::Prefer => Self::connect_with(&pg, PgSslMode::Prefer, tls).await,
+                SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                    Self::connect_with(&pg, PgSslMode::Require, tls).await
+                }
+            }
+        })
+    }
+}
+
+/// Whether the server refused a plaintext connection for want of TLS
+/// (its pg_hba.conf has `hostssl` lines only, or `hostnossl … reject`).
+fn refuses_plaintext(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_some_and(|db| db.code().code() == "28000" && db.message().contains("no encryption"))
+}
+
+/// Why a connection could not be made or used, for a log line or a start-up
+/// error: never the connection string, never what a statement carried.
+pub fn reason(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let code = db.code().code();
+        return match code {
+            "28000" if db.message().contains("no encryption") => {
+                "the server refuses plaintext: it requires TLS (sslmode=disable, or allow against a server that \
+                 also refuses TLS for this user)"
+                    .to_owned()
+            }
+            "28000" => format!("the server's pg_hba.conf refuses this connection (SQLSTATE {code})"),
+            "28P01" => "the server refused the password (SQLSTATE 28P01)".to_owned(),
+            "3D000" => "the database does not exist (SQLSTATE 3D000)".to_owned(),
+            "57P03" => "the server is starting up or shutting down (SQLSTATE 57P03)".to_owned(),
+            "53300" => "the server has no connection slots left (SQLSTATE 53300)".to_owned(),
+            _ => format!("the server refused (SQLSTATE {code})"),
+        };
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+            return tls_reason(tls);
+        }
+        if let Some(file) = err.downcast_ref::<TlsSetupError>() {
+            return file.0.clone();
+        }
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            if let Some(tls) = io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+                return tls_reason(tls);
+            }
+            return match io.kind() {
+                io::ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => "the connection was reset".to_owned(),
+                io::ErrorKind::TimedOut => "the connection timed out".to_owned(),
+                io::ErrorKind::UnexpectedEof => "the server closed the connection".to_owned(),
+                kind => format!("{kind}"),
+            };
+        }
+        if err.to_string() == "server does not support TLS" {
+            return "the server does not accept TLS (sslmode requires it)".to_owned();
+        }
+        source = err.source();
+    }
+    if e.is_closed() {
+        return "the connection was closed".to_owned();
+    }
+    // tokio-postgres's own words for the rest (a timeout, a protocol
+    // error): they quote neither the string nor a statement's values.
+    e.to_string()
+}
+
+fn tls_reason(e: &rustls::Error) -> String {
+    match e {
+        rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer | CertificateError::BadSignature) => {
+            "the server's certificate is not signed by sslrootcert".to_owned()
+        }
+        rustls::Error::InvalidCertificate(
+            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+        ) => "the server's certificate does not name the host it was reached at (sslmode=verify-full)".to_owned(),
+        rustls::Error::InvalidCertificate(
+            CertificateError::Expired | CertificateError::ExpiredContext { .. } | CertificateError::NotValidYet,
+        ) => "the server's certificate is expired or not yet valid".to_owned(),
+        rustls::Error::AlertReceived(alert) => {
+            format!(
+                "the server ended the TLS handshake ({alert:?}): does it require a client certificate (sslcert, sslkey)?"
+            )
+        }
+        other => format!("TLS: {other}"),
+    }
+}
+
+/// A TLS setting that could not be used (a file unreadable or not PEM).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TlsSetupError(String);
+
+/// The rustls side of tokio-postgres, its config built for each new
+/// connection from the files as they are now.
+#[derive(Debug, Clone)]
+struct Rustls {
+    params: TlsParams,
+}
+
+fn read(what: &str, path: &std::path::Path) -> Result<Vec<u8>, TlsSetupError> {
+    std::fs::read(path).map_err(|e| TlsSetupError(format!("cannot read {what} {}: {e}", path.display())))
+}
+
+impl Rustls {
+    fn config(&self) -> Result<ClientConfig, TlsSetupError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let roots = match &self.params.root {
+            None => None,
+            Some(RootCert::System) => {
+                let mut roots = RootCertStore::empty();
+                let (added, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+                if added == 0 {
+                    return Err(TlsSetupError("sslrootcert=system: the system has no CA certificates".into()));
+                }
+                Some(roots)
+            }
+            Some(RootCert::File(path)) => {
+                let pem = read("sslrootcert", path)?;
+                let mut roots = RootCertStore::empty();
+                for cert in CertificateDer::pem_slice_iter(&pem).flatten() {
+                    roots.add(cert).map_err(|e| TlsSetupError(format!("sslrootcert {}: {e}", path.display())))?;
+                }
+                if roots.is_empty() {
+                    return Err(TlsSetupError(format!("sslrootcert {}: no PEM certificate in it", path.display())));
+                }
+                Some(roots)
+            }
+        };
+        let verifier: Arc<dyn ServerCertVerifier> = match (self.params.verification(), roots) {
+            (Verification::None, _) | (_, None) => Arc::new(AnyCertificate(provider.clone())),
+            (verification, Some(roots)) => {
+                let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                    .build()
+                    .map_err(|e| TlsSetupError(format!("sslrootcert: {e}")))?;
+                Arc::new(Signed { webpki, check_name: verification == Verification::Full })
+            }
+        };
+        let builder = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsSetupError(format!("TLS: {e}")))?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier);
+        match &self.params.client {
+            None => Ok(builder.with_no_client_auth()),
+            Some((cert, key)) => {
+                let chain: Vec<CertificateDer<'static>> =
+                    CertificateDer::pem_slice_iter(&read("sslcert", cert)?).flatten().collect();
+                if chain.is_empty() {
+                    return Err(TlsSetupError(format!("sslcert {}: no PEM certificate in it", cert.display())));
+                }
+                let key_der = PrivateKeyDer::from_pem_slice(&read("sslkey", key)?)
+                    .map_err(|_| TlsSetupError(format!("sslkey {}: no PEM private key in it", key.display())))?;
+                builder
+                    .with_client_auth_cert(chain, key_der)
+                    .map_err(|e| TlsSetupError(format!("sslcert and sslkey: {e}")))
+            }
+        }
+    }
+}
+
+impl MakeTlsConnect<Socket> for Rustls {
+    type Stream = TlsStream;
+    type TlsConnect = RustlsConnect;
+    type Error = TlsSetupError;
+
+    fn make_tls_connect(&mut self, host: &str) -> Result<RustlsConnect, TlsSetupError> {
+        let name = ServerName::try_from(host.to_owned())
+            .map_err(|_| TlsSetupError("the host is not a name or address TLS can check".into()))?;
+        let config = self.config().inspect_err(|e| warn!(reason = %e.0, "session store: TLS is not usable"))?;
+        Ok(RustlsConnect { name, connector: tokio_rustls::TlsConnector::from(Arc::new(config)) })
+    }
+}
+
+/// One handshake.
+pub struct RustlsConnect {
+    name: ServerName<'static>,
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl TlsConnect<Socket> for RustlsConnect {
+    type Stream = TlsStream;
+    type Error = io::Error;
+    type Future = BoxFuture<'static, io::Result<TlsStream>>;
+
+    fn connect(self, stream: Socket) -> Self::Future {
+        Box::pin(async move { self.connector.connect(self.name, stream).await.map(TlsStream) })
+    }
+}
+
+/// A TLS connection to the server. Channel binding (SCRAM-SHA-256-PLUS)
+/// is not offered: tokio-postgres then authenticates with SCRAM-SHA-256,
+/// as libpq does with its default `channel_binding=prefer` when the
+/// client has none.
+pub struct TlsStream(tokio_rustls::client::TlsStream<Socket>);
+
+impl tokio_postgres::tls::TlsStream for TlsStream {
+    fn channel_binding(&self) -> ChannelBinding {
+        ChannelBinding::none()
+    }
+}
+
+impl AsyncRead for TlsStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// `sslmode` prefer, allow, and require without `sslrootcert`: libpq
+/// encrypts but does not authenticate the server. The handshake's
+/// signatures are still checked (the key exchange is the certificate's).
+#[derive(Debug)]
+struct AnyCertificate(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `verify-ca` (and `require` with `sslrootcert`): signed by a root, the
+/// name not checked; `verify-full`: the name too (a DNS name or an IP
+/// address in the certificate's SANs).
+#[derive(Debug)]
+struct Signed {
+    webpki: Arc<WebPkiServerVerifier>,
+    check_name: bool,
+}
+
+impl ServerCertVerifier for Signed {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self.webpki.verify_server_cert(end_entity, intermediates, name, ocsp, now) {
+            // The chain is checked before the name: a name error means the
+            // certificate is signed by a root.
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls12_signature(message, cert, dss)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls13_signature(message, cert, dss)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.webpki.supported_verify_schemes()
+    }
+}

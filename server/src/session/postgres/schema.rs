@@ -1,0 +1,141 @@
+//! The store's tables, one migration per schema version, and the check
+//! that this build and the database agree on the version.
+//!
+//! Migrations run in one transaction under an advisory lock (replicas
+//! starting together take turns), at start-up with `[sessions] migrate =
+//! "auto"` (the default) or by `lattice migrate` alone, for teams whose
+//! application role may not run DDL. A build older than the database's
+//! schema refuses to start: it would not know the columns a newer one
+//! relies on.
+
+use deadpool_postgres::Pool;
+use tracing::info;
+
+/// The schema, one step per version, applied in order, each once.
+const MIGRATIONS: &[&str] = &[
+    // 1: sessions, their leases, and their messages.
+    "CREATE TABLE lattice_sessions (
+        id text PRIMARY KEY,
+        agent text NOT NULL,
+        version bigint NOT NULL DEFAULT 0,
+        message_count bigint NOT NULL DEFAULT 0,
+        lease_token uuid,
+        lease_expires timestamptz,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        touched_at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE INDEX lattice_sessions_touched ON lattice_sessions (touched_at);
+    CREATE TABLE lattice_messages (
+        session_id text NOT NULL REFERENCES lattice_sessions (id) ON DELETE CASCADE,
+        seq bigint NOT NULL,
+        message text NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    );",
+    // 2: the principal that created each session ('' with authentication
+    // off, and for sessions created before this version).
+    "ALTER TABLE lattice_sessions ADD COLUMN owner text NOT NULL DEFAULT '';",
+    // 3: the lease token of the last commit, written by the commit itself:
+    // a commit whose reply was lost is known by reading it back.
+    "ALTER TABLE lattice_sessions ADD COLUMN last_commit uuid;",
+];
+
+/// The schema version this build uses.
+pub const VERSION: i32 = MIGRATIONS.len() as i32;
+
+/// The migration lock's key ("lattice" in ASCII).
+const MIGRATION_LOCK: i64 = 0x006c_6174_7469_6365;
+
+/// Why the schema can't be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    /// The database could not be asked (the reason, never the URL).
+    #[error("{0}")]
+    Unreachable(String),
+    /// The database's schema is newer than this build.
+    #[error(
+        "the session store's schema is version {found}, newer than this build knows ({VERSION}): run a Lattice at \
+         least as new as the one that migrated it"
+    )]
+    Newer {
+        /// The database's version.
+        found: i32,
+    },
+    /// Behind, and `migrate = "never"`.
+    #[error(
+        "the session store's schema is version {found}, this build needs {VERSION}: run `lattice migrate --config \
+         FILE` (as a role that may run DDL), or set [sessions] migrate = \"auto\""
+    )]
+    Behind {
+        /// The database's version.
+        found: i32,
+    },
+}
+
+fn unreachable(e: tokio_postgres::Error) -> SchemaError {
+    SchemaError::Unreachable(super::connect::reason(&e))
+}
+
+/// The database's schema version (0: none yet).
+pub async fn version(pool: &Pool) -> Result<i32, SchemaError> {
+    let client = pool.get().await.map_err(|e| SchemaError::Unreachable(super::pool_reason(&e)))?;
+    let exists = client
+        .query_typed_one("SELECT to_regclass('lattice_migrations') IS NOT NULL", &[])
+        .await
+        .map_err(unreachable)?;
+    if !exists.try_get::<_, bool>(0).map_err(unreachable)? {
+        return Ok(0);
+    }
+    let row = client.query_typed_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[]).await;
+    row.and_then(|r| r.try_get(0)).map_err(unreachable)
+}
+
+/// Checks that the database's schema is the one this build uses.
+pub async fn check(pool: &Pool) -> Result<(), SchemaError> {
+    match version(pool).await? {
+        found if found > VERSION => Err(SchemaError::Newer { found }),
+        found if found < VERSION => Err(SchemaError::Behind { found }),
+        _ => Ok(()),
+    }
+}
+
+/// Brings the schema up to date (idempotent; safe from many replicas);
+/// returns the versions applied.
+pub async fn migrate(pool: &Pool) -> Result<Vec<i32>, SchemaError> {
+    let mut client = pool.get().await.map_err(|e| SchemaError::Unreachable(super::pool_reason(&e)))?;
+    let tx = client.transaction().await.map_err(unreachable)?;
+    // Simple-protocol statements only: they pass PgBouncer's transaction
+    // pooling, which does not carry prepared statements.
+    tx.batch_execute(&format!(
+        "SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
+         CREATE TABLE IF NOT EXISTS lattice_migrations (
+             version integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )"
+    ))
+    .await
+    .map_err(unreachable)?;
+    let rows =
+        tx.simple_query("SELECT coalesce(max(version), 0) FROM lattice_migrations").await.map_err(unreachable)?;
+    let applied: i32 = rows
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).and_then(|v| v.parse().ok()),
+            _ => None,
+        })
+        .unwrap_or(0);
+    if applied > VERSION {
+        return Err(SchemaError::Newer { found: applied });
+    }
+    let mut done = Vec::new();
+    for (i, step) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
+        let version = i as i32 + 1;
+        tx.batch_execute(step).await.map_err(unreachable)?;
+        tx.batch_execute(&format!("INSERT INTO lattice_migrations (version) VALUES ({version})"))
+            .await
+            .map_err(unreachable)?;
+        info!(version, "session store schema migrated");
+        done.push(version);
+    }
+    tx.commit().await.map_err(unreachable)?;
+    Ok(done)
+}
