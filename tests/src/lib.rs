@@ -10,6 +10,7 @@ pub mod hook;
 pub mod otlp;
 pub mod postgres;
 pub mod raw_peer;
+pub mod reset_proxy;
 pub mod tls;
 pub mod tool;
 

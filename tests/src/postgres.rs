@@ -5,7 +5,11 @@
 //! `$TMPDIR/lattice-test-pg` (the first test process to need it starts it,
 //! under a file lock; `tests/run.sh` stops it at the end). Each test takes
 //! a fresh database of its own ([`Cluster::database`]). [`Cluster::private`]
-//! starts a cluster a test may stop and start again (a database outage).
+//! starts a cluster a test may stop and start again (a database outage),
+//! or freeze ([`Cluster::freeze`]: every server process stopped with
+//! SIGSTOP, as a failover's old primary goes silent); [`Cluster::tls_only`]
+//! one that accepts TLS connections only. [`PgBouncer`] pools in front of
+//! one, in transaction mode.
 
 use std::{
     path::PathBuf,
@@ -25,6 +29,9 @@ pub struct Cluster {
     pub url: String,
     /// When this process started it: its data directory and port.
     own: Option<(PathBuf, u16)>,
+    /// Whether TCP connections must use TLS (the tests' own connections
+    /// then use the Unix socket in the data directory's parent).
+    tls_only: bool,
 }
 
 /// Where Debian installs the server's binaries.
@@ -54,7 +61,7 @@ impl Cluster {
         SHARED
             .get_or_init(|| async {
                 match std::env::var(SHARED_URL_ENV) {
-                    Ok(url) => Cluster { url, own: None },
+                    Ok(url) => Cluster { url, own: None, tls_only: false },
                     Err(_) => Cluster::well_known().await,
                 }
             })
@@ -71,10 +78,10 @@ impl Cluster {
         if let Some(port) = std::fs::read_to_string(&port_file).ok().and_then(|p| p.trim().parse::<u16>().ok()) {
             let url = format!("postgres://postgres@127.0.0.1:{port}");
             if tokio_postgres::connect(&format!("{url}/postgres"), tokio_postgres::NoTls).await.is_ok() {
-                return Cluster { url, own: None };
+                return Cluster { url, own: None, tls_only: false };
             }
         }
-        let mut cluster = Cluster::init(dir.join("cluster"), None).await;
+        let mut cluster = Cluster::init(dir.join("cluster"), None, None).await;
         let (_, port) = cluster.own.take().unwrap();
         std::fs::write(&port_file, port.to_string()).unwrap();
         // Left running for the next test process (no `own`: not stopped on drop).
@@ -96,11 +103,24 @@ impl Cluster {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        Cluster::init(dir, network).await
+        Cluster::init(dir, network, None).await
+    }
+
+    /// A private cluster that serves TLS with `cert_pem` and `key_pem` and
+    /// refuses every plaintext TCP connection (`hostssl` lines only, and
+    /// `hostnossl … reject`), as managed services commonly do.
+    pub async fn tls_only(cert_pem: &str, key_pem: &str) -> Cluster {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "lattice-test-pgtls-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        Cluster::init(dir, None, Some((cert_pem, key_pem))).await
     }
 
     /// initdb in `dir` (made anew), then start on a free port.
-    async fn init(dir: PathBuf, network: Option<(&str, &str)>) -> Cluster {
+    async fn init(dir: PathBuf, network: Option<(&str, &str)>, tls: Option<(&str, &str)>) -> Cluster {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let chown = Command::new("chown").arg("postgres:postgres").arg(&dir).status().unwrap();
@@ -121,11 +141,36 @@ impl Cluster {
             text.push_str(&format!("host all all {subnet} trust\n"));
             std::fs::write(&hba, text).unwrap();
         }
+        if let Some((cert, key)) = tls {
+            let data = dir.join("data");
+            std::fs::write(data.join("server.crt"), cert).unwrap();
+            std::fs::write(data.join("server.key"), key).unwrap();
+            for f in ["server.crt", "server.key"] {
+                let owned = Command::new("chown").arg("postgres:postgres").arg(data.join(f)).status().unwrap();
+                assert!(owned.success());
+            }
+            let key_mode = Command::new("chmod").arg("600").arg(data.join("server.key")).status().unwrap();
+            assert!(key_mode.success());
+            let mut conf = std::fs::read_to_string(data.join("postgresql.conf")).unwrap();
+            conf.push_str("\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+            std::fs::write(data.join("postgresql.conf"), conf).unwrap();
+            // TCP: TLS only. The Unix socket (`local` lines) stays open for
+            // the tests' own set-up.
+            let hba = std::fs::read_to_string(data.join("pg_hba.conf")).unwrap();
+            let mut tls_hba = String::from("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n");
+            for line in hba.lines() {
+                match line.strip_prefix("host ") {
+                    Some(rest) => tls_hba.push_str(&format!("hostssl {rest}\n")),
+                    None => tls_hba.push_str(&format!("{line}\n")),
+                }
+            }
+            std::fs::write(data.join("pg_hba.conf"), tls_hba).unwrap();
+        }
         std::fs::write(dir.join("listen"), &listen).unwrap();
         let (listener, addr) = crate::bind().await;
         drop(listener);
         let url = format!("postgres://postgres@127.0.0.1:{}", addr.port());
-        let cluster = Cluster { url, own: Some((dir, addr.port())) };
+        let cluster = Cluster { url, own: Some((dir, addr.port())), tls_only: tls.is_some() };
         cluster.start().await;
         cluster
     }
@@ -154,7 +199,7 @@ impl Cluster {
             std::fs::read_to_string(dir.join("log")).unwrap_or_default()
         );
         let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio_postgres::connect(&format!("{}/postgres", self.url), tokio_postgres::NoTls).await.is_err() {
+        while tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await.is_err() {
             assert!(Instant::now() < deadline, "PostgreSQL did not start");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -176,20 +221,147 @@ impl Cluster {
         static N: AtomicU32 = AtomicU32::new(0);
         let name = format!("lattice_test_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let (client, connection) =
-            tokio_postgres::connect(&format!("{}/postgres", self.url), tokio_postgres::NoTls).await.unwrap();
+            tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
         tokio::spawn(connection);
         client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
         format!("{}/{name}", self.url)
+    }
+
+    /// A connection string for the tests' own use of `database`: over TCP,
+    /// or, for a TLS-only cluster, over its Unix socket.
+    pub fn admin_url(&self, database: &str) -> String {
+        match &self.own {
+            Some((dir, port)) if self.tls_only => {
+                format!("host={} port={port} user=postgres dbname={database}", dir.display())
+            }
+            _ => format!("{}/{database}", self.url),
+        }
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.url.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port in the URL")
+    }
+
+    /// Every server process of a private cluster: the postmaster (the first
+    /// line of `postmaster.pid`) and its children. None when not running.
+    fn processes(&self) -> Option<Vec<u32>> {
+        let (dir, _) = self.own.as_ref()?;
+        let pid_file = std::fs::read_to_string(dir.join("data/postmaster.pid")).ok()?;
+        let postmaster: u32 = pid_file.lines().next().and_then(|l| l.trim().parse().ok())?;
+        let mut all = vec![postmaster];
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            // `pid (comm) state ppid …`: comm may hold spaces, so read after
+            // its closing parenthesis.
+            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            if ppid == Some(postmaster) {
+                all.push(pid);
+            }
+        }
+        Some(all)
+    }
+
+    /// Sends `signal` to every server process; whether there were any.
+    fn signal(&self, signal: &str) -> bool {
+        let Some(pids) = self.processes() else { return false };
+        let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+        Command::new("kill").arg(signal).args(&pids).status().is_ok_and(|s| s.success())
+    }
+
+    /// Stops every server process with SIGSTOP: connections stay open and
+    /// nothing answers (a failover's old primary). Undone by [`Cluster::thaw`]
+    /// (and on drop).
+    pub fn freeze(&self) {
+        assert!(self.signal("-STOP"), "the cluster is not running");
+    }
+
+    /// Resumes a frozen cluster (SIGCONT).
+    pub fn thaw(&self) {
+        assert!(self.signal("-CONT"), "the cluster is not running");
     }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
         if self.own.is_some() {
+            // A frozen cluster would not stop.
+            self.signal("-CONT");
             self.stop();
         }
         if let Some((dir, _)) = &self.own {
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+}
+
+/// PgBouncer (Debian's package) in transaction pooling mode in front of a
+/// cluster, on a free port; stopped when dropped.
+pub struct PgBouncer {
+    /// `postgres://postgres@127.0.0.1:PORT` (add `/DATABASE`).
+    pub url: String,
+    child: std::process::Child,
+    dir: PathBuf,
+}
+
+impl PgBouncer {
+    /// Pools connections to `cluster` (any database), `pool_mode =
+    /// transaction`, as PgBouncer is most often run.
+    pub async fn transaction_pooling(cluster: &Cluster) -> PgBouncer {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "lattice-test-pgbouncer-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (listener, addr) = crate::bind().await;
+        drop(listener);
+        std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").unwrap();
+        std::fs::write(
+            dir.join("pgbouncer.ini"),
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={}\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {}\n\
+                 auth_type = trust\nauth_file = {}\npool_mode = transaction\nmax_client_conn = 200\n\
+                 default_pool_size = 20\nunix_socket_dir =\nlogfile = {}\n",
+                cluster.port(),
+                addr.port(),
+                dir.join("users.txt").display(),
+                dir.join("pgbouncer.log").display(),
+            ),
+        )
+        .unwrap();
+        let owned = Command::new("chown").args(["-R", "postgres:postgres"]).arg(&dir).status().unwrap();
+        assert!(owned.success());
+        let binary = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .expect("PgBouncer is not installed: apt-get install pgbouncer (tests/setup.sh does)");
+        // Run as root, it switches to the postgres user itself (-u), and
+        // stays this process (no runuser in between to outlive it).
+        let child = Command::new(binary)
+            .args(["-u", "postgres"])
+            .arg(dir.join("pgbouncer.ini"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let url = format!("postgres://postgres@127.0.0.1:{}", addr.port());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(Instant::now() < deadline, "PgBouncer did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        PgBouncer { url, child, dir }
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
