@@ -812,3 +812,21 @@ impl PostgresStore {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A statement the database never answers fails at its deadline, as
+    /// the error it was given, not later.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_on_a_silent_database_ends_at_its_deadline() {
+        let start = Instant::now();
+        let until = start + Duration::from_millis(1500);
+        let never = std::future::pending::<Result<(), StoreError>>();
+        assert_eq!(bounded(until, "get", StoreError::Deadline, never).await, Err(StoreError::Deadline));
+        assert_eq!(start.elapsed(), Duration::from_millis(1500));
+        let answered = async { Ok::<_, StoreError>(7) };
+        assert_eq!(bounded(until, "get", StoreError::Deadline, answered).await, Ok(7));
+    }
+}
