@@ -18,13 +18,14 @@ use tracing::{Instrument, debug, debug_span, info, warn};
 use crate::{
     config::{AgentDef, Config, ServerSettings},
     domain::{
-        AssistantReply, Block, Message, ModelRequest, ResultSource, Role, Scope, Step, StopReason, ToolErrorKind,
-        ToolResult, ToolUse, Usage, text_of,
+        AssistantReply, Block, Message, ModelRequest, ResultSource, Role, StopReason, ToolErrorKind, ToolResult,
+        ToolUse, Usage, text_of,
     },
     events::{Event, EventTx},
     hooks::{ChainError, HookChain, HookError, ToolCallView},
     metrics::{CallMetric, Family, Metrics},
     model::{self, DeltaSink, Model, ModelError, ModelSetupError},
+    scope::{Scope, Step},
     tools::{AgentTools, Binding, CallOutcome, RawResult, ToolSetupError, call_remote},
     trace::{TraceEvent, Tracer},
 };
@@ -62,6 +63,12 @@ pub enum AgentError {
         /// `server.max_message_bytes`.
         limit: usize,
     },
+}
+
+impl From<crate::events::TooLarge> for AgentError {
+    fn from(e: crate::events::TooLarge) -> Self {
+        AgentError::EventTooLarge { event: e.event, bytes: e.bytes, limit: e.limit }
+    }
 }
 
 impl From<ChainError> for AgentError {
@@ -108,7 +115,7 @@ impl RunCtx {
     /// for the client fails the run.
     async fn send(&self, event: Event<'_>) -> Result<(), AgentError> {
         match &self.events {
-            Some(tx) => tx.send(event).await,
+            Some(tx) => Ok(tx.send(event).await?),
             None => Ok(()),
         }
     }
@@ -227,7 +234,7 @@ impl AgentMetrics {
 
     /// Records a query that ended with `code` after `took`.
     pub fn query(&self, code: tonic::Code, took: Duration) {
-        self.queries.record(&self.registry, crate::status::code_name(code), took);
+        self.queries.record(&self.registry, crate::grpc::code_name(code), took);
     }
 
     /// Counts a tool call by outcome; a name the agent doesn't have is

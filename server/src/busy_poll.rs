@@ -32,9 +32,7 @@ use tokio::{
     time::{Duration, Instant},
 };
 
-/// The largest budget `server.busy_poll_us` takes (10 ms): more would be
-/// a setting in the wrong unit.
-pub const MAX_US: u64 = 10_000;
+pub use crate::config::BUSY_POLL_MAX_US as MAX_US;
 
 /// Calls in flight, and the poller they wake.
 #[derive(Debug, Default)]

@@ -69,7 +69,7 @@ pub enum QueryError {
         hint: &'static str,
     },
     /// The query ended with an error status (already printed).
-    #[error("{}: {}", crate::status::code_name(.0.code()), .0.message())]
+    #[error("{}: {}", crate::grpc::code_name(.0.code()), .0.message())]
     Status(tonic::Status),
     /// The token could not be used (never repeated).
     #[error("token: {0}")]
@@ -228,7 +228,7 @@ pub async fn run_query(args: QueryArgs, out: &mut (dyn Write + Send)) -> Result<
 }
 
 fn print_status(out: &mut (dyn Write + Send), s: &tonic::Status) {
-    let _ = writeln!(out, "✘ {}: {}", crate::status::code_name(s.code()), s.message());
+    let _ = writeln!(out, "✘ {}: {}", crate::grpc::code_name(s.code()), s.message());
     if let Some(info) = s.get_details_error_info() {
         let mut meta: Vec<_> = info.metadata.iter().collect();
         meta.sort();

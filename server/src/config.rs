@@ -24,14 +24,13 @@ use toml::{
 };
 
 mod document;
+mod settings;
 #[cfg(test)]
 mod tests;
 use document::{Shape, Walk, fields_of, remove_key};
+pub use settings::{BUSY_POLL_MAX_US, LimitSettings, TelemetrySettings, Tls, TlsFiles, TlsSettings};
 
-use crate::{
-    domain::{JsonObject, StopReason, ToolSpec},
-    peer::Tls,
-};
+use crate::domain::{JsonObject, StopReason, ToolSpec};
 
 /// Defaults, named so that docs and code agree.
 pub mod defaults {
@@ -400,7 +399,7 @@ pub struct Config {
     /// The agents, in file order.
     pub agents: Vec<AgentDef>,
     /// OpenTelemetry export (`[telemetry]`).
-    pub telemetry: crate::telemetry::TelemetrySettings,
+    pub telemetry: TelemetrySettings,
 }
 
 /// Where conversations live (`[sessions]`).
@@ -475,7 +474,7 @@ pub struct ServerSettings {
     /// CLI's `--health-listen` wins).
     pub health_listen: Option<SocketAddr>,
     /// TLS on the API listener (`[server.tls]`); `None`: plaintext.
-    pub tls: Option<crate::tls::TlsSettings>,
+    pub tls: Option<TlsSettings>,
     /// Queries served at once; the excess gets RESOURCE_EXHAUSTED.
     pub max_concurrent_queries: usize,
     /// Largest gRPC message to or from a client (and so largest event).
@@ -523,7 +522,7 @@ pub struct ServerSettings {
     /// Who may call (`[server.auth]`).
     pub auth: AuthSettings,
     /// Per-principal limits (`[server.limits]`).
-    pub limits: crate::limits::LimitSettings,
+    pub limits: LimitSettings,
 }
 
 /// A secret key, never printed.
@@ -811,37 +810,59 @@ impl fmt::Display for ConfigError {
 
 // --------------------------------------------------------- validation ----
 
+/// The checks of a config that need a layer above it: parsing an endpoint
+/// as the transport does, and reading certificate and token files as the
+/// transport, the API listener and authentication will. The config names
+/// no layer above it: whoever loads a config passes these
+/// ([`crate::CHECKS`] in the server; a test may pass its own). Each answer
+/// is a problem at its field's line, in the same pass as every other.
+pub trait Checks: Sync {
+    /// Why `endpoint` is no endpoint the transport can reach.
+    fn endpoint(&self, endpoint: &str) -> Result<(), String>;
+    /// Why `tls` can't be used with `endpoint` (its files, its scheme).
+    fn endpoint_tls(&self, endpoint: &str, tls: Option<&Tls>) -> Result<(), String>;
+    /// Why the API listener's certificate and key can't be loaded.
+    fn server_tls(&self, settings: &TlsSettings) -> Result<(), String>;
+    /// Why the tokens file can't be read.
+    fn tokens_file(&self, path: &Path) -> Result<(), String>;
+}
+
 /// Reads and validates a config file.
-pub fn load(path: &Path) -> Result<Config, ConfigError> {
+pub fn load(path: &Path, checks: &dyn Checks) -> Result<Config, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
         file: path.to_owned(),
         problems: vec![Problem { line: None, field: "-".into(), message: format!("cannot read: {e}") }],
     })?;
-    parse(&text, path)
+    parse(&text, path, checks)
 }
 
 /// Parses and validates config text (`path` is for messages), as `serve`
 /// needs it: the model API keys must be set.
-pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-    parse_with(text, path, Secrets::Required, &|var| std::env::var(var).ok()).map(|(config, _)| config)
+pub fn parse(text: &str, path: &Path, checks: &dyn Checks) -> Result<Config, ConfigError> {
+    parse_with(text, path, Secrets::Required, &|var| std::env::var(var).ok(), checks).map(|(config, _)| config)
 }
 
 /// [`parse`], with secrets (API keys, the database URL) looked up by `env`
 /// instead of the process environment: for embedding and tests, which run
 /// several servers in one process.
-pub fn parse_with_env(text: &str, path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-    parse_with(text, path, Secrets::Required, env).map(|(config, _)| config)
+pub fn parse_with_env(
+    text: &str,
+    path: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+    checks: &dyn Checks,
+) -> Result<Config, ConfigError> {
+    parse_with(text, path, Secrets::Required, env, checks).map(|(config, _)| config)
 }
 
 /// Reads and validates a config file as `check-config` does: an API key
 /// variable that is not set is a warning (CI validates configs without
 /// secrets), returned beside the config.
-pub fn check(path: &Path) -> Result<(Config, Vec<Problem>), ConfigError> {
+pub fn check(path: &Path, checks: &dyn Checks) -> Result<(Config, Vec<Problem>), ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
         file: path.to_owned(),
         problems: vec![Problem { line: None, field: "-".into(), message: format!("cannot read: {e}") }],
     })?;
-    parse_with(&text, path, Secrets::Optional, &|var| std::env::var(var).ok())
+    parse_with(&text, path, Secrets::Optional, &|var| std::env::var(var).ok(), checks)
 }
 
 /// Whether the model API keys must be in the environment.
@@ -856,6 +877,7 @@ fn parse_with(
     path: &Path,
     secrets: Secrets,
     env: &dyn Fn(&str) -> Option<String>,
+    checks: &dyn Checks,
 ) -> Result<(Config, Vec<Problem>), ConfigError> {
     let fail = |problems| ConfigError { file: path.to_owned(), problems };
     let doc = DeTable::parse(text).map_err(|e| {
@@ -866,8 +888,17 @@ fn parse_with(
     walk.table(doc.get_ref(), &ROOT, "");
     let dir = path.parent().unwrap_or(Path::new("")).to_owned();
     let unknown = std::mem::take(&mut walk.unknown);
-    let mut v =
-        Validator { text, dir, secrets, env, walk, problems: Vec::new(), warnings: Vec::new(), left_out: Vec::new() };
+    let mut v = Validator {
+        text,
+        dir,
+        secrets,
+        env,
+        checks,
+        walk,
+        problems: Vec::new(),
+        warnings: Vec::new(),
+        left_out: Vec::new(),
+    };
     for u in unknown {
         v.problem(Some(u.span), u.field, u.message);
     }
@@ -932,6 +963,8 @@ struct Validator<'a> {
     secrets: Secrets,
     /// Where secrets are looked up (the process environment, normally).
     env: &'a dyn Fn(&str) -> Option<String>,
+    /// The checks that need a layer above the config.
+    checks: &'a dyn Checks,
     /// Every value's field path and span.
     walk: Walk,
     problems: Vec<Problem>,
@@ -1091,7 +1124,7 @@ impl Validator<'_> {
     /// An endpoint and its TLS table: files read, certificates and key
     /// parsed. `field` is the entry's path (`agents[0].hooks[1]`).
     fn endpoint(&mut self, e: &Spanned<String>, tls: Option<Spanned<RawTls>>, field: &str) -> Option<Tls> {
-        if let Err(why) = crate::peer::Target::parse(e.get_ref()) {
+        if let Err(why) = self.checks.endpoint(e.get_ref()) {
             self.problem(Some(e.span()), format!("{field}.endpoint"), format!("{:?}: {why}", e.get_ref()));
             return None;
         }
@@ -1115,11 +1148,7 @@ impl Validator<'_> {
             None => None,
             Some(raw) => {
                 let path = |f: &Option<String>| f.as_ref().map(|f| self_dir.join(f));
-                let files = crate::peer::TlsFiles {
-                    ca: path(&raw.ca_file),
-                    cert: path(&raw.cert_file),
-                    key: path(&raw.key_file),
-                };
+                let files = TlsFiles { ca: path(&raw.ca_file), cert: path(&raw.cert_file), key: path(&raw.key_file) };
                 let ca_pem = read(raw.ca_file, "ca_file");
                 let cert = read(raw.cert_file, "cert_file");
                 let key = read(raw.key_file, "key_file");
@@ -1138,7 +1167,7 @@ impl Validator<'_> {
                 Some(Tls { ca_pem, identity, server_name: raw.server_name, files: Some(files) })
             }
         };
-        if let Err(why) = crate::peer::check(e.get_ref(), tls.as_ref()) {
+        if let Err(why) = self.checks.endpoint_tls(e.get_ref(), tls.as_ref()) {
             self.problem(span.or(Some(e.span())), format!("{field}.tls"), why);
         }
         tls
@@ -1247,8 +1276,8 @@ impl Validator<'_> {
         // 0 is off, as is no setting.
         let busy_poll_us = s.busy_poll_us.filter(|us| *us > 0);
         if let Some(us) = busy_poll_us {
-            if us > crate::busy_poll::MAX_US {
-                let message = format!("{us} µs is above the limit of {} µs", crate::busy_poll::MAX_US);
+            if us > BUSY_POLL_MAX_US {
+                let message = format!("{us} µs is above the limit of {} µs", BUSY_POLL_MAX_US);
                 self.problem(None, "server.busy_poll_us", message);
             }
             // (worker_threads = 0 is refused above.)
@@ -1287,7 +1316,7 @@ impl Validator<'_> {
             worker_threads: s.worker_threads,
             busy_poll: busy_poll_us.map(Duration::from_micros),
             auth,
-            limits: crate::limits::LimitSettings {
+            limits: LimitSettings {
                 queries_in_flight: s.limits.queries_in_flight,
                 queries_per_minute: s.limits.queries_per_minute,
             },
@@ -1295,7 +1324,7 @@ impl Validator<'_> {
         }
     }
 
-    fn server_tls(&mut self, raw: Spanned<RawServerTls>) -> crate::tls::TlsSettings {
+    fn server_tls(&mut self, raw: Spanned<RawServerTls>) -> TlsSettings {
         let span = raw.span();
         let raw = raw.into_inner();
         let mut file = |f: Option<String>, key: &str| match f {
@@ -1309,7 +1338,7 @@ impl Validator<'_> {
                 PathBuf::new()
             }
         };
-        let settings = crate::tls::TlsSettings {
+        let settings = TlsSettings {
             cert_file: file(raw.cert_file, "cert_file"),
             key_file: file(raw.key_file, "key_file"),
             client_ca_file: raw.client_ca_file.map(|f| self.dir.join(f)),
@@ -1326,13 +1355,13 @@ impl Validator<'_> {
             let line = Some(line_of(self.text, span.start));
             let message = format!("{} not found (serving needs them: a mounted Secret?)", missing.join(", "));
             self.warnings.push(Problem { line, field: "server.tls".into(), message });
-        } else if let Err(e) = crate::tls::ServerTls::load(&settings) {
+        } else if let Err(e) = self.checks.server_tls(&settings) {
             self.problem(Some(span), "server.tls", e);
         }
         settings
     }
 
-    fn auth(&mut self, auth: Option<Spanned<RawAuth>>, tls: Option<&crate::tls::TlsSettings>) -> AuthSettings {
+    fn auth(&mut self, auth: Option<Spanned<RawAuth>>, tls: Option<&TlsSettings>) -> AuthSettings {
         let Some(auth) = auth else {
             // Secure by default: running open must be said.
             self.problem(
@@ -1380,7 +1409,7 @@ impl Validator<'_> {
             }
         };
         if let AuthMode::Token { tokens_file } = &mode
-            && let Err(e) = crate::auth::TokenTable::read(tokens_file)
+            && let Err(e) = self.checks.tokens_file(tokens_file)
         {
             self.problem(None, "server.auth.tokens_file", e);
         }
@@ -1391,7 +1420,7 @@ impl Validator<'_> {
         AuthSettings { mode, admins, groups: raw.groups }
     }
 
-    fn telemetry(&mut self, t: RawTelemetry) -> crate::telemetry::TelemetrySettings {
+    fn telemetry(&mut self, t: RawTelemetry) -> TelemetrySettings {
         if let Some(e) = &t.otlp_endpoint
             && !(e.get_ref().starts_with("http://") || e.get_ref().starts_with("https://"))
         {
@@ -1402,7 +1431,7 @@ impl Validator<'_> {
         {
             self.problem(Some(r.span()), "telemetry.sampling_ratio", "a fraction from 0.0 to 1.0");
         }
-        crate::telemetry::TelemetrySettings {
+        TelemetrySettings {
             otlp_endpoint: t.otlp_endpoint.map(Spanned::into_inner),
             service_name: t.service_name,
             sampling_ratio: t.sampling_ratio.map(Spanned::into_inner),

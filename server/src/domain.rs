@@ -205,32 +205,6 @@ fn json_len(value: &JsonObject) -> usize {
     count.0
 }
 
-/// Whose work a step is: one per agent run (a delegated run has its own),
-/// shared by reference with every step of the run: hook calls, tool calls,
-/// model requests and trace events.
-#[derive(Debug, Clone)]
-pub struct Scope {
-    /// The agent that runs.
-    pub agent: String,
-    /// The session it runs in.
-    pub session_id: String,
-    /// The client-facing query (shared by delegated runs).
-    pub query_id: String,
-    /// The run's deadline: nothing under it outlives it.
-    pub deadline: tokio::time::Instant,
-    /// The query's audit record, when it is kept (shared by delegated runs).
-    pub audit: Option<std::sync::Arc<crate::audit::Audit>>,
-}
-
-/// One step of a run: its scope and its 1-based turn.
-#[derive(Debug, Clone, Copy)]
-pub struct Step<'a> {
-    /// The run.
-    pub scope: &'a Scope,
-    /// 1-based turn (model request number).
-    pub turn: u32,
-}
-
 /// Why a tool call did not execute successfully, as the hooks are told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolErrorKind {
@@ -342,6 +316,19 @@ pub fn validate_conversation(messages: &[Message]) -> Result<(), String> {
         return Err(format!("message {}: a tool_use has no tool_result", messages.len() - 1));
     }
     Ok(())
+}
+
+/// How a tool call went, before any hook.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// The tool answered (maybe is_error).
+    Executed,
+    /// RPC failure or deadline.
+    Failed,
+    /// Never called.
+    Blocked,
+    /// Cancelled by an abort.
+    Cancelled,
 }
 
 #[cfg(test)]

@@ -11,8 +11,9 @@ use tonic::Status;
 use crate::{
     agent::Runtime,
     convert,
-    domain::{ModelRequest, ResultSource, Scope, Step, ToolErrorKind, ToolFailure, ToolResult, validate_conversation},
+    domain::{ModelRequest, ResultSource, ToolErrorKind, ToolFailure, ToolResult, validate_conversation},
     hooks::{ChainError, HookFailure, Observed, ToolCallView},
+    scope::{Scope, Step},
     status,
     tools::Binding,
 };

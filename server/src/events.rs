@@ -9,11 +9,20 @@ use lattice_proto::agent::v1::{self as pb, query_event::Event as PbEvent};
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use crate::{
-    agent::AgentError,
-    domain::{Block, ModelRequest, ToolResult},
-    tools::CallOutcome,
-};
+use crate::domain::{Block, CallOutcome, ModelRequest, ToolResult};
+
+/// An event of the query larger than one message to the client may be: the
+/// query fails rather than send part of its output (the agent loop's
+/// [`crate::agent::AgentError::EventTooLarge`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TooLarge {
+    /// Which event (`assistant`, `tool_result`, `model_request` …).
+    pub event: &'static str,
+    /// Its encoded size.
+    pub bytes: usize,
+    /// `server.max_message_bytes`.
+    pub limit: usize,
+}
 
 /// One event of a run, borrowing what it reports.
 #[derive(Debug)]
@@ -81,7 +90,7 @@ impl EventTx {
     /// the limit fails the query instead of breaking the stream; a client
     /// that went away is noticed by whoever drives the run, so that is not
     /// an error here.
-    pub async fn send(&self, event: Event<'_>) -> Result<(), AgentError> {
+    pub async fn send(&self, event: Event<'_>) -> Result<(), TooLarge> {
         let event = sized(to_pb(event), self.limit)?;
         let _ = self.tx.send(Out::Event(event)).await;
         Ok(())
@@ -116,7 +125,7 @@ fn to_pb(e: Event<'_>) -> PbEvent {
 }
 
 /// `event`, unless its encoded size is over `limit`.
-pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
+pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, TooLarge> {
     let name = match &event {
         PbEvent::Started(_) => "started",
         PbEvent::ModelRequest(_) => "model_request",
@@ -129,7 +138,7 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, AgentError> {
     let bytes = prost::Message::encoded_len(&event);
     match event.event {
         Some(event) if bytes <= limit => Ok(event),
-        _ => Err(AgentError::EventTooLarge { event: name, bytes, limit }),
+        _ => Err(TooLarge { event: name, bytes, limit }),
     }
 }
 

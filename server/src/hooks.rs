@@ -28,12 +28,11 @@ use tracing::{Instrument, debug, debug_span, info, warn};
 use crate::{
     config::{HookDef, HookEvents},
     convert::{self, DecodeError},
-    domain::{
-        JsonObject, Message, ModelRequest, ResultSource, Role, Step, ToolFailure, ToolResult, validate_conversation,
-    },
+    domain::{JsonObject, Message, ModelRequest, ResultSource, Role, ToolFailure, ToolResult, validate_conversation},
+    grpc::code_name,
     metrics::{CallMetric, Family, Metrics},
     peer::{CallDeadline, Peer, Probe},
-    status::code_name,
+    scope::Step,
 };
 
 /// The two hook events.

@@ -1,25 +1,26 @@
 //! Lattice: a gRPC service that runs LLM agents, with remote tools and a
 //! chain of remote hooks that shape what reaches the model.
 //!
-//! # Layout
-//! - [`config`]: the config file → a validated, typed config.
-//! - [`domain`], [`convert`]: the server's own conversation types, and their
-//!   conversions to and from proto (the only place those meet).
-//! - [`agent`]: the agent loop (domain types only).
-//! - [`hooks`]: the hook chain: order, deadlines, fail-closed.
-//! - [`tools`]: remote tool services, delegated agents, permissions.
-//! - [`peer`]: channels to tool and hook services (`http://`, `dns:///`);
-//!   [`busy_poll`]: polling for their answers instead of sleeping
-//!   (`server.busy_poll_us`).
-//! - [`model`]: the model trait and its providers.
-//! - [`session`]: stored conversations (memory or PostgreSQL) and the
-//!   one-query-per-session lease.
-//! - [`trace`]: post-hook trace events.
-//! - [`health`]: `grpc.health.v1.Health`, whose watch streams end on drain.
-//! - [`metrics`]: Prometheus metrics at `GET /metrics` on the same port.
-//! - [`logging`]: the log subscriber; transport crates never log peer bytes.
-//! - [`service`], [`status`]: the gRPC service and its one status mapping.
-//! - [`example_tools`]: the customer-lookup tool service used by the quickstart.
+//! # Layers
+//! Imports point down only, and no two modules import each other however
+//! indirectly: `tests/layers.rs` checks both on every test run.
+//!
+//! - **core**: [`domain`], [`convert`] (the server's own conversation
+//!   types and their conversions to and from proto, the only place those
+//!   meet); [`config`] (the config file → a validated, typed config; the
+//!   checks that read files are injected, see [`CHECKS`]); [`grpc`] (status
+//!   code names); [`metrics`], [`telemetry`].
+//! - **transport**: [`peer`] (channels to tool and hook services, pools,
+//!   health, the retry rule); [`busy_poll`] (`server.busy_poll_us`);
+//!   [`tls`] (the API listener's TLS material, reloaded).
+//! - **runtime**: [`agent`] (the loop), [`hooks`] (the chain: order,
+//!   deadlines, fail-closed), [`tools`], [`model`] (the trait and its
+//!   providers), [`session`] (stored conversations, the lease), [`trace`],
+//!   [`audit`], [`events`], [`scope`] (whose work a step is).
+//! - **service**: [`service`] (the gRPC service), [`status`] (its one error
+//!   → status mapping), [`auth`], [`limits`], [`health`], [`dryrun`].
+//! - **binary**: [`client`] (`lattice query`), [`hookcheck`],
+//!   [`example_tools`], [`logging`]; and this crate root, which wires them.
 //!
 //! [`run`] serves a validated config on a bound listener until `shutdown`
 //! resolves; `main.rs` and the tests both call it.
@@ -36,6 +37,7 @@ pub mod domain;
 pub mod dryrun;
 pub mod events;
 pub mod example_tools;
+pub mod grpc;
 pub mod health;
 pub mod hookcheck;
 pub mod hooks;
@@ -44,6 +46,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod peer;
+pub mod scope;
 pub mod service;
 pub mod session;
 pub mod status;
@@ -64,6 +67,34 @@ use crate::{
     service::AgentSvc,
     session::{MemoryStore, PostgresStore, SchemaError, SessionStore},
 };
+
+/// The config's checks that need the layers above it (see
+/// [`config::Checks`]): an endpoint as the transport parses it, TLS to a
+/// peer as the transport will build it, the API listener's certificate and
+/// key, and the tokens file.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FileChecks;
+
+/// The checks `serve`, `check-config` and `migrate` validate a config with.
+pub static CHECKS: FileChecks = FileChecks;
+
+impl config::Checks for FileChecks {
+    fn endpoint(&self, endpoint: &str) -> Result<(), String> {
+        peer::Target::parse(endpoint).map(drop)
+    }
+
+    fn endpoint_tls(&self, endpoint: &str, tls: Option<&config::Tls>) -> Result<(), String> {
+        peer::check(endpoint, tls)
+    }
+
+    fn server_tls(&self, settings: &config::TlsSettings) -> Result<(), String> {
+        tls::ServerTls::load(settings).map(drop)
+    }
+
+    fn tokens_file(&self, path: &std::path::Path) -> Result<(), String> {
+        auth::TokenTable::read(path).map(drop)
+    }
+}
 
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]

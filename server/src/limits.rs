@@ -5,6 +5,8 @@
 //! with RESOURCE_EXHAUSTED and a `google.rpc.RetryInfo` saying when to try
 //! again; nothing is started.
 
+pub use crate::config::LimitSettings;
+
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
@@ -14,15 +16,6 @@ use std::{
 use tokio::time::Instant;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
-
-/// `[server.limits]`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LimitSettings {
-    /// Queries one principal may have in flight; `None`: no limit.
-    pub queries_in_flight: Option<usize>,
-    /// Queries one principal may start per minute; `None`: no limit.
-    pub queries_per_minute: Option<u32>,
-}
 
 /// The limits' state, shared by all queries.
 #[derive(Debug, Default)]

@@ -197,7 +197,7 @@ enum HookCommand {
 /// `lattice migrate`: the session store's schema brought up to date.
 async fn migrate(path: &std::path::Path) -> ExitCode {
     // As check-config reads it: a model API key is not needed to migrate.
-    let config = match config::check(path) {
+    let config = match config::check(path, &lattice_server::CHECKS) {
         Ok((config, _)) => config,
         Err(e) => {
             eprint!("{e}");
@@ -270,7 +270,7 @@ fn main() -> ExitCode {
     if let Command::Serve { config, .. } = &cli.command {
         // Logging starts once the runtime runs (the OpenTelemetry exporter
         // lives on it); config::load logs nothing.
-        match config::load(config) {
+        match config::load(config, &lattice_server::CHECKS) {
             Ok(c) => {
                 workers = c.server.worker_threads;
                 loaded = Some(c);
@@ -352,7 +352,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Migrate { config } => migrate(&config).await,
-        Command::CheckConfig { config } => match config::check(&config) {
+        Command::CheckConfig { config } => match config::check(&config, &lattice_server::CHECKS) {
             Ok((c, warnings)) => {
                 for w in &warnings {
                     let line = w.line.map(|l| format!(":{l}")).unwrap_or_default();

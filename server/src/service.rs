@@ -15,10 +15,10 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::{
     agent::{AgentError, AgentRuntime, RunCtx, Runtime},
     auth::{Authenticator, Principal},
-    domain::Scope,
     events::{self, EventTx, Out},
     limits::Limits,
     peer,
+    scope::Scope,
     session::{SessionStore, StoreError},
     status,
     tools::Binding,
@@ -395,7 +395,7 @@ impl AgentService for AgentSvc {
                 principal = principal.as_deref().unwrap_or("-"),
                 agent = %status::log_value(&agent),
                 session_id = continued.as_deref().map(status::log_value).unwrap_or_default(),
-                code = crate::status::code_name(status.code()),
+                code = crate::grpc::code_name(status.code()),
                 "query refused"
             );
         }

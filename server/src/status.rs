@@ -17,6 +17,8 @@ use crate::{
 
 /// The ErrorInfo domain of every Lattice error.
 pub const DOMAIN: &str = "lattice.dev";
+pub use crate::grpc::code_name;
+
 /// ErrorInfo reason of a hook failure.
 pub const HOOK_FAILED: &str = "HOOK_FAILED";
 /// ErrorInfo reason of a model failure.
@@ -24,29 +26,6 @@ pub const MODEL_FAILED: &str = "MODEL_FAILED";
 /// ErrorInfo reason of a commit whose outcome the store could not tell in
 /// time (status `UNKNOWN`): the turn may be stored.
 pub const COMMIT_OUTCOME_UNKNOWN: &str = "COMMIT_OUTCOME_UNKNOWN";
-
-/// A code's name as the gRPC spec writes it (`OK`, `DEADLINE_EXCEEDED`).
-pub fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    }
-}
 
 /// The most characters of client input an error message repeats.
 const ECHO_CHARS: usize = 64;

@@ -18,6 +18,8 @@
 //!
 //! Off, nothing here costs more than a relaxed atomic load per call.
 
+pub use crate::config::TelemetrySettings;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::{
@@ -37,17 +39,6 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 /// The target of the spans that are exported; `lattice serve` enables it
 /// at debug level when telemetry is on, whatever `RUST_LOG` says.
 pub const SPAN_TARGET: &str = "lattice::otel";
-
-/// `[telemetry]`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TelemetrySettings {
-    /// The OTLP/gRPC collector, e.g. `http://otel-collector:4317`.
-    pub otlp_endpoint: Option<String>,
-    /// `service.name` (default: `OTEL_SERVICE_NAME`, else "lattice").
-    pub service_name: Option<String>,
-    /// The fraction of new traces sampled (a parent's decision is kept).
-    pub sampling_ratio: Option<f64>,
-}
 
 impl TelemetrySettings {
     /// Whether spans are exported: an endpoint in the config or in the

@@ -17,10 +17,12 @@
 //! client CA") instead of a TLS alert that gRPC clients report as an
 //! unreachable server. The health and reflection services answer anyone.
 
+pub use crate::config::TlsSettings;
+
 use std::{
     collections::HashMap,
     fmt, io,
-    path::{Path, PathBuf},
+    path::Path,
     sync::{Arc, Mutex, RwLock, Weak},
     time::{Duration, Instant},
 };
@@ -50,18 +52,6 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a verified client certificate is trusted without checking it
 /// again (a certificate that expires is refused at most this late).
 const VERIFIED_FOR: Duration = Duration::from_secs(10);
-
-/// `[server.tls]`: files, resolved against the config's directory.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsSettings {
-    /// The server's PEM certificate chain.
-    pub cert_file: PathBuf,
-    /// Its PEM private key.
-    pub key_file: PathBuf,
-    /// PEM CA certificates that sign clients' certificates; set, every
-    /// request needs one (mutual TLS).
-    pub client_ca_file: Option<PathBuf>,
-}
 
 /// The files' contents, as last read.
 #[derive(Clone, PartialEq, Eq)]

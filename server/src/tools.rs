@@ -14,8 +14,9 @@ use tracing::{debug, info};
 use crate::{
     config::{AgentDef, ServerSettings},
     convert,
-    domain::{JsonObject, ResultSource, Scope, ToolErrorKind, ToolFailure, ToolResult, ToolSpec, ToolUse},
+    domain::{JsonObject, ResultSource, ToolErrorKind, ToolFailure, ToolResult, ToolSpec, ToolUse},
     peer::{CallDeadline, Peer},
+    scope::Scope,
 };
 
 /// Where a tool's calls go.
@@ -61,18 +62,7 @@ impl Binding {
     }
 }
 
-/// How a tool call went, before any hook.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallOutcome {
-    /// The tool answered (maybe is_error).
-    Executed,
-    /// RPC failure or deadline.
-    Failed,
-    /// Never called.
-    Blocked,
-    /// Cancelled by an abort.
-    Cancelled,
-}
+pub use crate::domain::CallOutcome;
 
 /// A tool call's result before the hooks, with what the hooks are told.
 #[derive(Debug, Clone)]

@@ -51,7 +51,8 @@ use std::{
 use serde::Serialize;
 use tracing::{debug, trace, warn};
 
-use crate::domain::{Block, Message, ModelRequest, Scope, StopReason, ToolResult, ToolSpec, Usage};
+use crate::domain::{Block, Message, ModelRequest, StopReason, ToolResult, ToolSpec, Usage};
+use crate::scope::Scope;
 
 /// One trace event.
 #[derive(Debug, Serialize)]

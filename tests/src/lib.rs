@@ -190,8 +190,9 @@ impl Lattice {
         let lookup = |var: &str| {
             env.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned()).or_else(|| std::env::var(var).ok())
         };
-        let mut cfg = lattice_server::config::parse_with_env(&config, Path::new("test.toml"), &lookup)
-            .map_err(|e| e.to_string())?;
+        let mut cfg =
+            lattice_server::config::parse_with_env(&config, Path::new("test.toml"), &lookup, &lattice_server::CHECKS)
+                .map_err(|e| e.to_string())?;
         cfg.server.admin_listen = Some(admin);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -85,7 +85,7 @@ async fn the_example_hooks_pass_every_check() {
 async fn the_quickstart_hook_meets_the_quickstart_deadline() {
     let path = lattice_tests::workspace_root().join("deploy/examples/quickstart.toml");
     let text = std::fs::read_to_string(&path).unwrap();
-    let config = lattice_server::config::parse_with_env(&text, &path, &|_| None).unwrap();
+    let config = lattice_server::config::parse_with_env(&text, &path, &|_| None, &lattice_server::CHECKS).unwrap();
     let hook = &config.agents[0].hooks[0];
     assert_eq!((hook.name.as_str(), hook.events.tool_result), ("redact", true));
     let deadline_ms = hook.deadline.as_millis().to_string();

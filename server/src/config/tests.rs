@@ -9,7 +9,7 @@ use super::{ConfigError, parse_with_env};
 /// every environment variable unset but `KEY`.
 fn problems(text: &str) -> Vec<String> {
     let env = |var: &str| (var == "KEY").then(|| "k".to_owned());
-    match parse_with_env(text, Path::new("t.toml"), &env) {
+    match parse_with_env(text, Path::new("t.toml"), &env, &crate::CHECKS) {
         Ok(_) => Vec::new(),
         Err(ConfigError { problems, .. }) => {
             problems.iter().map(|p| format!("{}: {}", p.line.unwrap_or(0), p.field)).collect()

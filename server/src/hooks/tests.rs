@@ -14,11 +14,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint, Server};
 
 use super::*;
-use crate::{
-    config::HookEvents,
-    domain::{JsonObject, Scope},
-    metrics::Metrics,
-};
+use crate::{config::HookEvents, domain::JsonObject, metrics::Metrics, scope::Scope};
 
 /// A hook that waits `delay`, then appends `marker` to the result's text;
 /// it records the grpc-timeout of each call it receives.

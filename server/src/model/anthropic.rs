@@ -13,8 +13,9 @@ use serde_json::Value;
 
 use super::http::{Failure, HttpModel, Wire, json_body, seq, tool_input};
 use crate::{
-    domain::{AssistantReply, Block, ModelRequest, Role, Step, StopReason, ToolUse, Usage},
+    domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
     model::{DeltaSink, Model, ModelError, ModelErrorKind},
+    scope::Step,
 };
 
 /// The API version sent as `anthropic-version`.

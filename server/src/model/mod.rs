@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 
 use crate::{
     config::{ModelConfig, Provider},
-    domain::{AssistantReply, ModelRequest, Step},
+    domain::{AssistantReply, ModelRequest},
+    scope::Step,
 };
 
 /// Why a model request failed. The message never carries request content,

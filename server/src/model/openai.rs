@@ -16,8 +16,9 @@ use serde_json::Value;
 
 use super::http::{Failure, HttpModel, Wire, json_body, seq, tool_input};
 use crate::{
-    domain::{AssistantReply, Block, Message, ModelRequest, Role, Step, StopReason, ToolResult, ToolUse, Usage},
+    domain::{AssistantReply, Block, Message, ModelRequest, Role, StopReason, ToolResult, ToolUse, Usage},
     model::{DeltaSink, Model, ModelError, ModelErrorKind},
+    scope::Step,
 };
 
 /// How an error tool result's content starts.

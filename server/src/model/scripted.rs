@@ -25,8 +25,9 @@ use serde_json::Value;
 
 use crate::{
     config::ScriptTurn,
-    domain::{AssistantReply, Block, ModelRequest, Role, Step, StopReason, ToolUse, Usage},
+    domain::{AssistantReply, Block, ModelRequest, Role, StopReason, ToolUse, Usage},
     model::{DeltaSink, Model, ModelError},
+    scope::Step,
 };
 
 /// The scripted model.

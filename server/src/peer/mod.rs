@@ -27,8 +27,9 @@ mod pool;
 mod tls;
 mod unary;
 
+pub use crate::config::Tls;
+
 use std::{
-    fmt,
     sync::{Arc, atomic::AtomicUsize},
     time::Duration,
 };
@@ -85,35 +86,6 @@ impl Target {
         } else {
             Err("not an http(s)://host:port URL or a dns:///host:port target".into())
         }
-    }
-}
-
-/// TLS to a tool or hook service.
-#[derive(Clone, Default)]
-pub struct Tls {
-    /// PEM certificates of the CA(s) that sign the service's certificate;
-    /// the system's roots when unset.
-    pub ca_pem: Option<String>,
-    /// A PEM certificate chain and its PEM private key that Lattice presents
-    /// (mutual TLS).
-    pub identity: Option<(String, String)>,
-    /// The name the service's certificate must carry; by default the
-    /// endpoint's host.
-    pub server_name: Option<String>,
-    /// The files the PEM texts were read from: set, they are re-read when
-    /// they change (see `tls`).
-    pub files: Option<TlsFiles>,
-}
-
-impl fmt::Debug for Tls {
-    // Never prints the key.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Tls")
-            .field("ca", &self.ca_pem.is_some())
-            .field("client_identity", &self.identity.is_some())
-            .field("server_name", &self.server_name)
-            .field("files", &self.files)
-            .finish()
     }
 }
 

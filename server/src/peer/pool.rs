@@ -296,7 +296,7 @@ async fn check_health(pool: std::sync::Weak<Pool>, slot: std::sync::Weak<Slot>, 
             Ok(Err(status)) => match NotSent::of(&status).filter(|why| why.address_down()) {
                 Some(why) => pool.set_ready(&slot, false, why.describe()),
                 None => {
-                    debug!(endpoint = %pool.name, address = %slot.addr, code = crate::status::code_name(status.code()), "health check failed")
+                    debug!(endpoint = %pool.name, address = %slot.addr, code = crate::grpc::code_name(status.code()), "health check failed")
                 }
             },
             Err(_) => debug!(endpoint = %pool.name, address = %slot.addr, "health check timed out"),

@@ -7,6 +7,8 @@
 //! next connection, connections already open keep theirs, and files that
 //! don't load keep the previous ones in force and say why in the log.
 
+pub use crate::config::TlsFiles;
+
 use std::{
     future::Future,
     path::PathBuf,
@@ -30,25 +32,6 @@ use super::Tls;
 
 /// How often the certificate files are checked for changes.
 pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
-
-/// Where a [`Tls`] setting's PEM texts came from, to read them again.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// The CA file.
-    pub ca: Option<PathBuf>,
-    /// The client certificate file.
-    pub cert: Option<PathBuf>,
-    /// Its key file.
-    pub key: Option<PathBuf>,
-}
-
-impl std::fmt::Display for TlsFiles {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let files: Vec<String> =
-            [&self.ca, &self.cert, &self.key].into_iter().flatten().map(|p| p.display().to_string()).collect();
-        f.write_str(&files.join(", "))
-    }
-}
 
 /// The PEM texts of one load.
 #[derive(Clone, PartialEq, Eq)]
