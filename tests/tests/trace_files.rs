@@ -127,12 +127,13 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
     assert_eq!(read.len(), 23, "two requests a query, one of the failed query");
     assert_eq!(read, streamed, "each request as the model was sent it");
     assert!(streamed.iter().any(|(_, _, m)| m.iter().any(|(text, _)| text.ends_with("[shaped]"))));
-    // The README's reader, in Python, reads the same requests.
-    let readme = std::fs::read_to_string(lattice_tests::workspace_root().join("README.md")).unwrap();
-    let reader = readme
+    // The documented reader, in Python, reads the same requests.
+    let page = std::fs::read_to_string(lattice_tests::workspace_root().join("docs/observability.md")).unwrap();
+    let reader = page
         .split("To read every request whole in a program of your own:\n\n```python\n")
         .nth(1)
         .and_then(|r| r.split("```").next());
+    assert!(reader.is_some(), "docs/observability.md holds the Python reader");
     let file = lattice.trace_dir.join(format!("{sid}.jsonl"));
     let script = reader.unwrap_or_default().replace("DIR/SESSION_ID.jsonl", &file.display().to_string())
         + "print(json.dumps([[r['request']['messages'], r['request']['tools'], r['request']['system']] for r in requests]))\n";

@@ -656,26 +656,29 @@ impl SessionStore for PostgresStore {
         Box::pin(async move {
             let token = uuid::Uuid::new_v4();
             let taken = tokio::time::timeout_at(deadline, self.lease(session_id, agent, owner, create, token)).await;
-            let failed = match taken {
+            let (failed, wait) = match taken {
                 Ok(Ok(lease)) => return Ok(lease),
                 Ok(Err(e @ (StoreError::Busy | StoreError::NotFound))) => return Err(e),
-                Ok(Err(e)) => e,
+                // Failed with time left: the lease is given back before the
+                // client hears, so that its retry finds the session free.
+                Ok(Err(e)) => (e, true),
                 Err(_) => {
                     warn!(operation = "acquire", "session store did not answer before the query's deadline");
-                    StoreError::Deadline
+                    (StoreError::Deadline, false)
                 }
             };
-            // The store may have granted the lease before the reply was
-            // lost or the deadline came: give it back by token, in the
-            // background (within the store's timeout), so that a retry
-            // finds the session free.
+            // The store may have granted the lease (a reply lost, a history
+            // that did not read, the deadline): give it back by token,
+            // within the store's timeout, waited for until the deadline.
             let store = self.clone();
             let (id, until) = (session_id.to_owned(), self.soon());
-            tokio::spawn(async move {
-                let _ =
-                    bounded(until, "release", StoreError::Unavailable("postgres"), store.give_back(&id, token, create))
-                        .await;
+            let give_back = tokio::spawn(async move {
+                let give_back = store.give_back(&id, token, create);
+                let _ = bounded(until, "release", StoreError::Unavailable("postgres"), give_back).await;
             });
+            if wait {
+                let _ = tokio::time::timeout_at(deadline, give_back).await;
+            }
             Err(failed)
         })
     }
