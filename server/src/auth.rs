@@ -5,9 +5,9 @@
 //! lines are `<principal> <sha256 hex of the token>` (a Kubernetes Secret,
 //! mounted). The file holds no token, only digests; every entry is compared
 //! in constant time; a token is never logged, and no error repeats it. The
-//! file is re-read when it changes (a revoked token stops working within
-//! [`RELOAD_EVERY`]); a file that no longer parses keeps the previous table
-//! and says why in the log.
+//! file is re-read when its content changes (a revoked token stops working
+//! within [`RELOAD_EVERY`]); a file that no longer parses keeps the previous
+//! table and says why in the log; a deleted file revokes every token.
 //!
 //! Mode `mtls`: the principal is the client certificate's first URI
 //! subject alternative name (a SPIFFE ID from a service mesh), else its
@@ -21,7 +21,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::{Arc, RwLock},
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 use tonic::{Request, Status};
@@ -33,7 +33,7 @@ use crate::{
 };
 
 /// How often the tokens file is checked for changes.
-pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
+pub const RELOAD_EVERY: Duration = crate::reload::EVERY;
 
 /// The principal of a caller when authentication is off.
 pub const ANONYMOUS: &str = "anonymous";
@@ -150,10 +150,13 @@ impl Authenticator {
                 None
             }
             AuthMode::Token { tokens_file } => {
-                let table = TokenTable::read(tokens_file)?;
+                let bytes =
+                    std::fs::read(tokens_file).map_err(|e| format!("cannot read {}: {e}", tokens_file.display()))?;
+                let table = TokenTable::parse(&String::from_utf8_lossy(&bytes))
+                    .map_err(|e| format!("{}: {e}", tokens_file.display()))?;
                 info!(path = %tokens_file.display(), tokens = table.len(), "auth: bearer tokens");
                 let table = Arc::new(RwLock::new(table));
-                tokio::spawn(watch(tokens_file.clone(), Arc::downgrade(&table)));
+                tokio::spawn(watch(tokens_file.clone(), Arc::downgrade(&table), Some(bytes)));
                 Some(table)
             }
         };
@@ -193,29 +196,37 @@ impl Authenticator {
     }
 }
 
-/// Re-reads the tokens file when its modification time or size changes;
-/// ends when the table is dropped.
-async fn watch(path: PathBuf, table: std::sync::Weak<RwLock<TokenTable>>) {
-    let stamp = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
-    let mut seen = stamp(&path);
-    loop {
-        tokio::time::sleep(RELOAD_EVERY).await;
-        let Some(table) = table.upgrade() else { return };
-        let now = stamp(&path);
-        if now == seen {
-            continue;
-        }
-        seen = now;
-        match TokenTable::read(&path) {
-            Ok(new) => {
-                info!(path = %path.display(), tokens = new.len(), "auth: tokens file reloaded");
-                if let Ok(mut t) = table.write() {
-                    *t = new;
-                }
+/// Follows the tokens file (see [`crate::reload`]): a changed file replaces
+/// the table; one that doesn't parse (half written) leaves the previous
+/// tokens in force until it changes again; a deleted file revokes every
+/// token (removing the file is how an operator shuts everyone out).
+async fn watch(path: PathBuf, table: std::sync::Weak<RwLock<TokenTable>>, seen: Option<Vec<u8>>) {
+    let read = |_: &RwLock<TokenTable>| match std::fs::read(&path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.to_string()),
+    };
+    let apply = |table: &RwLock<TokenTable>, bytes: &Option<Vec<u8>>| {
+        let new = match bytes {
+            None => {
+                warn!(path = %path.display(), "auth: the tokens file was deleted: every token is revoked");
+                TokenTable::default()
             }
-            Err(e) => warn!(error = %e, "auth: tokens file not reloaded; the previous tokens stay in force"),
-        }
-    }
+            Some(bytes) => match TokenTable::parse(&String::from_utf8_lossy(bytes)) {
+                Ok(new) => {
+                    info!(path = %path.display(), tokens = new.len(), "auth: tokens file reloaded");
+                    new
+                }
+                Err(e) => {
+                    warn!(error = %e, "auth: tokens file not reloaded; the previous tokens stay in force");
+                    return;
+                }
+            },
+        };
+        *table.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new;
+    };
+    let unreadable = |e: &str| warn!(path = %path.display(), error = %e, "auth: tokens file not readable; retrying");
+    crate::reload::follow(table, RELOAD_EVERY, seen, read, apply, unreadable).await;
 }
 
 #[cfg(test)]
@@ -238,6 +249,36 @@ mod tests {
         assert_eq!(table.principal("o-secret"), Some("ops"));
         assert_eq!(table.principal("a-secreT"), None);
         assert_eq!(table.principal(""), None);
+    }
+
+    /// The file followed by content: a changed file replaces the table, a
+    /// half-written one keeps the previous tokens, and a deleted one revokes
+    /// every token (it kept them before).
+    #[tokio::test(start_paused = true)]
+    async fn the_tokens_file_is_followed_and_its_deletion_revokes_every_token() {
+        let dir = std::env::temp_dir().join(format!("lattice-auth-{}", crate::session::new_id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokens");
+        let first = format!("alice {}\n", sha("a-secret"));
+        std::fs::write(&path, &first).unwrap();
+        let table = Arc::new(RwLock::new(TokenTable::parse(&first).unwrap()));
+        tokio::spawn(watch(path.clone(), Arc::downgrade(&table), Some(first.into_bytes())));
+        let who = |token: &str| table.read().unwrap().principal(token).map(str::to_owned);
+        let settle = || tokio::time::sleep(RELOAD_EVERY * 2);
+
+        std::fs::write(&path, "alice 12").unwrap();
+        settle().await;
+        assert_eq!(who("a-secret").as_deref(), Some("alice"), "a file that doesn't parse keeps the tokens");
+        std::fs::write(&path, format!("bob {}\n", sha("b-secret"))).unwrap();
+        settle().await;
+        assert_eq!((who("a-secret"), who("b-secret").as_deref()), (None, Some("bob")));
+        std::fs::remove_file(&path).unwrap();
+        settle().await;
+        assert_eq!(who("b-secret"), None, "a deleted tokens file revokes every token");
+        std::fs::write(&path, format!("carol {}\n", sha("c-secret"))).unwrap();
+        settle().await;
+        assert_eq!(who("c-secret").as_deref(), Some("carol"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod peer;
+pub mod reload;
 pub mod scope;
 pub mod service;
 pub mod session;

@@ -44,7 +44,7 @@ use tonic::Status;
 use tracing::{debug, info, warn};
 
 /// How often the certificate files are checked for changes.
-pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
+pub const RELOAD_EVERY: Duration = crate::reload::EVERY;
 
 /// How long a client has to finish the TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -176,35 +176,21 @@ impl ServerTls {
     }
 }
 
-/// Re-reads the files every [`RELOAD_EVERY`]; loads them when their bytes
+/// Follows the files (see [`crate::reload`]): loads them when their bytes
 /// change. A set that doesn't load is reported once and retried when the
 /// files change again.
-async fn watch(tls: Weak<ServerTls>, mut seen: Files) {
-    loop {
-        tokio::time::sleep(RELOAD_EVERY).await;
-        let Some(tls) = tls.upgrade() else { return };
-        let files = match Files::read(&tls.settings) {
-            Ok(f) => f,
-            // Mid-rotation a file can be missing for a moment.
-            Err(e) => {
-                debug!(error = %e, "tls: certificate files not readable; keeping the current ones");
-                continue;
-            }
-        };
-        if files == seen {
-            continue;
+async fn watch(tls: Weak<ServerTls>, seen: Files) {
+    let read = |tls: &ServerTls| Files::read(&tls.settings);
+    let apply = |tls: &ServerTls, files: &Files| match load(files, &tls.settings) {
+        Ok(loaded) => {
+            *tls.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(loaded);
+            info!(cert_file = %tls.settings.cert_file.display(), "tls: certificate reloaded; new connections use it");
         }
-        match load(&files, &tls.settings) {
-            Ok(loaded) => {
-                if let Ok(mut current) = tls.current.write() {
-                    *current = Arc::new(loaded);
-                }
-                info!(cert_file = %tls.settings.cert_file.display(), "tls: certificate reloaded; new connections use it");
-            }
-            Err(e) => warn!(error = %e, "tls: certificate not reloaded; the previous one stays in force"),
-        }
-        seen = files;
-    }
+        Err(e) => warn!(error = %e, "tls: certificate not reloaded; the previous one stays in force"),
+    };
+    // Mid-rotation a file can be missing for a moment.
+    let unreadable = |e: &str| debug!(error = %e, "tls: certificate files not readable; keeping the current ones");
+    crate::reload::follow(tls, RELOAD_EVERY, seen, read, apply, unreadable).await;
 }
 
 fn provider() -> Arc<CryptoProvider> {

@@ -31,7 +31,7 @@ use tracing::{debug, info, warn};
 use super::Tls;
 
 /// How often the certificate files are checked for changes.
-pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
+pub const RELOAD_EVERY: Duration = crate::reload::EVERY;
 
 /// The PEM texts of one load.
 #[derive(Clone, PartialEq, Eq)]
@@ -104,33 +104,22 @@ impl ClientTls {
     }
 }
 
-async fn watch(tls: Weak<ClientTls>, files: TlsFiles, mut seen: Pems) {
-    loop {
-        tokio::time::sleep(RELOAD_EVERY).await;
-        let Some(tls) = tls.upgrade() else { return };
-        let pems = match Pems::read(&files) {
-            Ok(p) => p,
-            Err(e) => {
-                debug!(error = %e, "peer tls: files not readable; keeping the current ones");
-                continue;
-            }
-        };
-        if pems == seen {
-            continue;
+/// Follows the files (see [`crate::reload`]): rebuilds the config when
+/// their bytes change; a set that doesn't build is reported once and
+/// retried when they change again.
+async fn watch(tls: Weak<ClientTls>, files: TlsFiles, seen: Pems) {
+    let read = |_: &ClientTls| Pems::read(&files);
+    let apply = |tls: &ClientTls, pems: &Pems| match build(pems) {
+        Ok(config) => {
+            *tls.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(config);
+            info!(files = %files, "peer tls: certificates reloaded; new connections use them");
         }
-        match build(&pems) {
-            Ok(config) => {
-                if let Ok(mut current) = tls.current.write() {
-                    *current = Arc::new(config);
-                }
-                info!(files = %files, "peer tls: certificates reloaded; new connections use them");
-            }
-            Err(e) => {
-                warn!(files = %files, error = %e, "peer tls: certificates not reloaded; the previous ones stay in force")
-            }
+        Err(e) => {
+            warn!(files = %files, error = %e, "peer tls: certificates not reloaded; the previous ones stay in force")
         }
-        seen = pems;
-    }
+    };
+    let unreadable = |e: &str| debug!(error = %e, "peer tls: files not readable; keeping the current ones");
+    crate::reload::follow(tls, RELOAD_EVERY, seen, read, apply, unreadable).await;
 }
 
 fn build(pems: &Pems) -> Result<ClientConfig, String> {
