@@ -34,7 +34,7 @@ use crate::{
 };
 
 /// One hook call, audited.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct AuditEntry {
     /// The agent whose chain it is.
     pub agent: String,
@@ -119,14 +119,12 @@ impl Audit {
 
     /// Adds one hook call.
     pub fn record(&self, entry: AuditEntry) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.push(entry);
-        }
+        crate::sync::lock(&self.entries).push(entry);
     }
 
     /// Every entry so far, in the order the calls ended.
     pub fn entries(&self) -> Vec<AuditEntry> {
-        self.entries.lock().map(|e| e.clone()).unwrap_or_default()
+        crate::sync::lock(&self.entries).clone()
     }
 }
 
@@ -163,6 +161,22 @@ pub fn chain_version(hooks: &[crate::config::HookDef]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A panic while the record was held loses no entry, before or after.
+    #[test]
+    fn a_poisoned_record_keeps_every_entry() {
+        let audit = std::sync::Arc::new(Audit::default());
+        audit.record(AuditEntry::default());
+        let held = audit.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = held.entries.lock();
+            panic!("a panic while the record is held");
+        })
+        .join();
+        assert!(audit.entries.is_poisoned());
+        audit.record(AuditEntry::default());
+        assert_eq!(audit.entries().len(), 2);
+    }
 
     #[test]
     fn sha256_is_the_standard_one() {

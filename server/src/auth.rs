@@ -186,7 +186,7 @@ impl Authenticator {
                 .map(str::trim)
                 .filter(|t| !t.is_empty())
                 .ok_or_else(|| Status::unauthenticated("send `authorization: Bearer <token>`"))?;
-            let table = tokens.read().map_err(|_| Status::internal("the token table is unavailable"))?;
+            let table = crate::sync::read(tokens);
             table.principal(token).ok_or_else(|| Status::unauthenticated("the token is not valid"))?.to_owned()
         } else {
             return Ok(Principal { name: ANONYMOUS.to_owned(), admin: true });
@@ -223,7 +223,7 @@ async fn watch(path: PathBuf, table: std::sync::Weak<RwLock<TokenTable>>, seen: 
                 }
             },
         };
-        *table.write().unwrap_or_else(std::sync::PoisonError::into_inner) = new;
+        *crate::sync::write(table) = new;
     };
     let unreadable = |e: &str| warn!(path = %path.display(), error = %e, "auth: tokens file not readable; retrying");
     crate::reload::follow(table, RELOAD_EVERY, seen, read, apply, unreadable).await;

@@ -77,7 +77,7 @@ pub(crate) fn cork(stream: TcpStream) -> (Corked, Drain) {
 /// so it is never contended; nothing can panic while it is held, and a
 /// poisoned lock still holds consistent bytes.
 fn lock(out: &Mutex<Out>) -> MutexGuard<'_, Out> {
-    out.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    crate::sync::lock(out)
 }
 
 impl Drain {

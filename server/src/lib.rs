@@ -51,6 +51,7 @@ pub mod scope;
 pub mod service;
 pub mod session;
 pub mod status;
+pub mod sync;
 pub mod telemetry;
 pub mod tls;
 pub mod tools;

@@ -183,7 +183,7 @@ async fn watch(tls: Weak<ServerTls>, seen: Files) {
     let read = |tls: &ServerTls| Files::read(&tls.settings);
     let apply = |tls: &ServerTls, files: &Files| match load(files, &tls.settings) {
         Ok(loaded) => {
-            *tls.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(loaded);
+            *crate::sync::write(&tls.current) = Arc::new(loaded);
             info!(cert_file = %tls.settings.cert_file.display(), "tls: certificate reloaded; new connections use it");
         }
         Err(e) => warn!(error = %e, "tls: certificate not reloaded; the previous one stays in force"),

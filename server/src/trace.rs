@@ -41,7 +41,7 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     sync::{
-        Arc, Mutex, PoisonError,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicUsize, Ordering},
         mpsc,
     },
@@ -208,7 +208,7 @@ struct Chains(Mutex<HashMap<String, Chain>>);
 
 impl Chains {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Chain>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.0)
     }
 
     /// Records that `query` sends a request whose first `shared` messages

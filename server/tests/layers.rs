@@ -15,8 +15,8 @@ use std::{
 const LAYERS: &[(&str, &[&str])] = &[
     // Types and settings every layer speaks: the conversation, the config
     // (raw → validated; checks that read files injected), gRPC names,
-    // metrics and telemetry's plumbing, following files that change.
-    ("core", &["grpc", "domain", "convert", "config", "metrics", "telemetry", "reload"]),
+    // metrics and telemetry's plumbing, following files that change, locks.
+    ("core", &["grpc", "domain", "convert", "config", "metrics", "telemetry", "reload", "sync"]),
     // Reaching peers: one HTTP/2 client for hooks and tools, its batching
     // and polling, TLS material.
     ("transport", &["cork", "busy_poll", "peer", "tls"]),

@@ -78,7 +78,7 @@ impl Direct {
 
     /// The open connection's sender, if it is still open.
     fn current(&self) -> Option<SendRequest<Bytes>> {
-        let open = self.open.lock().ok()?;
+        let open = crate::sync::lock(&self.open);
         open.as_ref().filter(|(_, ended)| !ended.load(Ordering::Acquire)).map(|(s, _)| s.clone())
     }
 
@@ -142,18 +142,14 @@ impl Direct {
             }
             ended_by_task.store(true, Ordering::Release);
         });
-        if let Ok(mut open) = self.open.lock() {
-            *open = Some((sender.clone(), ended));
-        }
+        *crate::sync::lock(&self.open) = Some((sender.clone(), ended));
         Ok(sender)
     }
 
     /// Stops using the open connection (it is going away): the next call
     /// makes a new one. Calls in flight on it finish on it.
     pub(crate) fn forget(&self) {
-        if let Ok(mut open) = self.open.lock() {
-            *open = None;
-        }
+        *crate::sync::lock(&self.open) = None;
     }
 
     /// Sends one request (its URI a path; its body the whole message) on

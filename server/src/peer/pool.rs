@@ -62,7 +62,7 @@ pub(crate) struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Some(h) = self.checker.lock().ok().and_then(|mut c| c.take()) {
+        if let Some(h) = crate::sync::lock(&self.checker).take() {
             h.abort();
         }
     }
@@ -89,7 +89,7 @@ pub(crate) struct Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        if let Some(h) = self.resolver.lock().ok().and_then(|mut c| c.take()) {
+        if let Some(h) = crate::sync::lock(&self.resolver).take() {
             h.abort();
         }
     }
@@ -120,7 +120,7 @@ impl Pool {
     ) -> Arc<Pool> {
         let pool = Pool::new(name, true, health_every);
         let slot = pool.add(addr, calls, health);
-        *pool.slots.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(vec![slot]);
+        *crate::sync::write(&pool.slots) = Arc::new(vec![slot]);
         pool.recount();
         pool
     }
@@ -134,7 +134,7 @@ impl Pool {
             .into_iter()
             .enumerate()
             .map(|(i, c)| pool.add(format!("in-process-{i}"), Calls::Channel(c.clone()), c));
-        *pool.slots.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(slots.collect());
+        *crate::sync::write(&pool.slots) = Arc::new(slots.collect());
         pool.recount();
         pool
     }
@@ -149,7 +149,7 @@ impl Pool {
     ) -> Arc<Pool> {
         let pool = Pool::new(name, false, health_every);
         let task = tokio::spawn(resolve(Arc::downgrade(&pool), host_port, checked, connect_timeout));
-        *pool.resolver.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+        *crate::sync::lock(&pool.resolver) = Some(task.abort_handle());
         pool
     }
 
@@ -167,13 +167,13 @@ impl Pool {
         });
         if let Some(every) = self.health_every {
             let task = tokio::spawn(check_health(Arc::downgrade(self), Arc::downgrade(&slot), every));
-            *slot.checker.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+            *crate::sync::lock(&slot.checker) = Some(task.abort_handle());
         }
         slot
     }
 
     pub(crate) fn slots(&self) -> Arc<Vec<Arc<Slot>>> {
-        self.slots.read().unwrap_or_else(|e| e.into_inner()).clone()
+        crate::sync::read(&self.slots).clone()
     }
 
     /// How many addresses are ready now.
@@ -240,7 +240,7 @@ impl Pool {
                 next.push(self.add(text, calls, health));
             }
         }
-        *self.slots.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+        *crate::sync::write(&self.slots) = Arc::new(next);
         self.recount();
     }
 }

@@ -93,7 +93,7 @@ impl ClientTls {
     }
 
     fn config(&self) -> Arc<ClientConfig> {
-        self.current.read().map(|c| c.clone()).unwrap_or_else(|p| p.into_inner().clone())
+        crate::sync::read(&self.current).clone()
     }
 
     /// The connector of connections to `host` (an address or a name).
@@ -111,7 +111,7 @@ async fn watch(tls: Weak<ClientTls>, files: TlsFiles, seen: Pems) {
     let read = |_: &ClientTls| Pems::read(&files);
     let apply = |tls: &ClientTls, pems: &Pems| match build(pems) {
         Ok(config) => {
-            *tls.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(config);
+            *crate::sync::write(&tls.current) = Arc::new(config);
             info!(files = %files, "peer tls: certificates reloaded; new connections use them");
         }
         Err(e) => {

@@ -63,7 +63,7 @@ impl HistoryCache {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// The bytes held, kept current for whoever reads it.

@@ -70,7 +70,7 @@ impl MemoryStore {
     /// The state, with idle sessions swept out at most every tenth of the
     /// idle time (a scan of every session: amortized over the operations).
     fn state(&self) -> MutexGuard<'_, State> {
-        let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = crate::sync::lock(&self.inner.state);
         let now = Instant::now();
         if now.duration_since(state.swept) >= self.inner.idle_ttl / 10 {
             state.swept = now;
