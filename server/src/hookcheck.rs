@@ -261,7 +261,7 @@ fn late(deadline: Duration) -> String {
 /// one that enforces grpc-timeout does, at the same instant as our own
 /// timer) did not answer in time; any other status is its answer.
 fn call_failure(status: &tonic::Status, started: Instant, deadline: Duration) -> String {
-    let at_deadline = started.elapsed() + Duration::from_millis(5) >= deadline;
+    let at_deadline = started.elapsed() + crate::peer::DEADLINE_SLACK >= deadline;
     if at_deadline && matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled) {
         late(deadline)
     } else {

@@ -757,7 +757,7 @@ fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -
     let code = status.code();
     let by_hook = sent == Some(code as i32) && code != Code::Ok && std::error::Error::source(status).is_none();
     if by_hook {
-        let at_deadline = Instant::now() + Duration::from_millis(5) >= call_deadline;
+        let at_deadline = crate::peer::at_deadline(call_deadline);
         return match code {
             Code::DeadlineExceeded | Code::Cancelled if at_deadline => HookFailure::Deadline,
             code => HookFailure::Status(code),

@@ -322,9 +322,7 @@ pub async fn call_remote(
     let call_tool = crate::peer::unary::<_, pb::CallToolResponse>(peer.clone(), CALL_TOOL, request, len, max_message);
     match tokio::time::timeout_at(deadline, call_tool).await {
         Err(_) => failed(K::Deadline, format!("tool {:?} did not answer within {} ms", call.name, budget.as_millis())),
-        Ok(Err(status))
-            if status.code() == tonic::Code::Cancelled && Instant::now() + Duration::from_millis(5) >= deadline =>
-        {
+        Ok(Err(status)) if status.code() == tonic::Code::Cancelled && crate::peer::at_deadline(deadline) => {
             failed(K::Deadline, format!("tool {:?} did not answer within {} ms", call.name, budget.as_millis()))
         }
         // The tool's own status message is meant for the model (a tool

@@ -29,6 +29,19 @@ mod unary;
 
 pub use crate::config::Tls;
 
+/// How close to its deadline a call that ended CANCELLED or
+/// DEADLINE_EXCEEDED must have ended to count as ended by the deadline. The
+/// timers that can end it — the peer's own (from `grpc-timeout`), the
+/// transport's, the caller's — fire a few scheduler ticks apart, and a call
+/// cut short by one of them should be reported as the deadline, not as the
+/// peer's status.
+pub const DEADLINE_SLACK: Duration = Duration::from_millis(5);
+
+/// Whether now is within [`DEADLINE_SLACK`] of `deadline`, or past it.
+pub fn at_deadline(deadline: tokio::time::Instant) -> bool {
+    tokio::time::Instant::now() + DEADLINE_SLACK >= deadline
+}
+
 use std::{
     sync::{Arc, atomic::AtomicUsize},
     time::Duration,
