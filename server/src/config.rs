@@ -131,6 +131,9 @@ struct RawSessions {
     /// PostgreSQL: "auto" (default) brings the schema up to date at
     /// start-up; "never" only checks it (`lattice migrate` applies it).
     migrate: Option<Spanned<String>>,
+    /// PostgreSQL: prepare statements once per connection (default), or
+    /// send them unnamed (PgBouncer's transaction pooling before 1.21).
+    prepared_statements: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -445,6 +448,10 @@ pub struct PostgresSettings {
     /// Whether start-up brings the schema up to date (else it only checks
     /// that the schema is the one this build knows).
     pub migrate: bool,
+    /// Whether statements are prepared once per connection and cached
+    /// (else sent unnamed with their types: PgBouncer's transaction
+    /// pooling before 1.21 carries no prepared statement).
+    pub prepared_statements: bool,
 }
 
 impl fmt::Debug for PostgresSettings {
@@ -457,6 +464,7 @@ impl fmt::Debug for PostgresSettings {
             .field("history_cache_bytes", &self.history_cache_bytes)
             .field("store_timeout", &self.store_timeout)
             .field("migrate", &self.migrate)
+            .field("prepared_statements", &self.prepared_statements)
             .finish()
     }
 }
@@ -1500,6 +1508,7 @@ impl Validator<'_> {
                         .saturating_mul(1024 * 1024),
                     store_timeout: ms(s.store_timeout_ms.unwrap_or(defaults::STORE_TIMEOUT_MS).max(1)),
                     migrate,
+                    prepared_statements: s.prepared_statements.unwrap_or(true),
                 })
             }
             Some((other, span)) => {

@@ -55,6 +55,7 @@ fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server
         history_cache_bytes: cache,
         store_timeout: Duration::from_secs(5),
         migrate: true,
+        prepared_statements: true,
     };
     lattice_server::session::PostgresStore::new(&settings, lease_ttl, Duration::from_secs(3600)).unwrap()
 }

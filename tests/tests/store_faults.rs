@@ -191,18 +191,19 @@ struct Told {
 /// that resets a random database connection every 50–200 ms; then every
 /// session is read back: a prompt told OK is stored exactly once, a prompt
 /// told any failure is not stored, and no prompt is stored twice. Returns
-/// the tallies.
+/// the tallies. `extra`: more `[sessions]` keys.
 async fn resets_keep_outcomes_exact(
     upstream: std::net::SocketAddr,
     database: &str,
     run: Duration,
+    extra: &str,
 ) -> HashMap<&'static str, usize> {
     let proxy = ResetProxy::start(upstream).await;
     let url = format!("postgres://postgres@{}/{database}", proxy.addr);
-    let keys = "store_timeout_ms = 2000\nlease_ttl_ms = 3000\npool_size = 4";
+    let keys = format!("store_timeout_ms = 2000\nlease_ttl_ms = 3000\npool_size = 4\n{extra}");
     let mut replicas = Vec::new();
     for _ in 0..2 {
-        replicas.push(Arc::new(Lattice::spawn(&config(5, keys), &[(URL_ENV, url.as_str())]).await));
+        replicas.push(Arc::new(Lattice::spawn(&config(5, &keys), &[(URL_ENV, url.as_str())]).await));
     }
     let lattice = replicas[0].clone();
     proxy.reset_every(Duration::from_millis(50)..Duration::from_millis(200));
@@ -305,15 +306,15 @@ async fn connection_resets_never_lose_or_duplicate_a_turn() {
     let url = cluster.database().await;
     let database = url.rsplit('/').next().unwrap().to_owned();
     let upstream = format!("127.0.0.1:{}", cluster.port()).parse().unwrap();
-    let tally = resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(20)).await;
+    let tally = resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(20), "").await;
     let failed: usize =
         ["unavailable", "busy", "aborted", "deadline", "other"].iter().filter_map(|k| tally.get(k)).sum();
     assert!(tally.get("busy").copied().unwrap_or(0) <= failed / 2 + 5, "leftover leases refused follow-ups: {tally:?}");
 }
 
 /// The same through PgBouncer in transaction pooling mode (Debian's
-/// 1.18, which carries no prepared statement between transactions): the
-/// store uses none, so it works, and outcomes stay exact.
+/// 1.18, which carries no prepared statement between transactions), with
+/// `prepared_statements = false`: it works, and outcomes stay exact.
 #[tokio::test(flavor = "multi_thread")]
 async fn behind_pgbouncer_in_transaction_mode_outcomes_stay_exact() {
     let cluster = Cluster::shared().await;
@@ -321,7 +322,7 @@ async fn behind_pgbouncer_in_transaction_mode_outcomes_stay_exact() {
     let database = url.rsplit('/').next().unwrap().to_owned();
     let bouncer = PgBouncer::transaction_pooling(cluster).await;
     let upstream = bouncer.url.rsplit('@').next().unwrap().parse().unwrap();
-    resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10)).await;
+    resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), "prepared_statements = false").await;
 }
 
 /// `migrate = "never"`: a binary refuses an empty database and says to run

@@ -387,6 +387,7 @@ async fn commits() {
             history_cache_bytes: cache,
             store_timeout: Duration::from_secs(5),
             migrate: true,
+            prepared_statements: true,
         };
         PostgresStore::new(&settings, Duration::from_secs(15), Duration::from_secs(3600)).unwrap()
     };

@@ -26,9 +26,12 @@
 //! token is read back. Only when no answer comes before the deadline is the
 //! outcome unknown ([`StoreError::CommitOutcomeUnknown`]).
 //!
-//! Statements carry their parameter types (`query_typed`): one round trip,
-//! and no named prepared statement, so PgBouncer's transaction pooling
-//! (which does not carry them between transactions before 1.21) works.
+//! Statements are prepared once per connection and cached (each then runs in
+//! one round trip, planned once), or, with `[sessions] prepared_statements =
+//! false`, sent with their parameter types as unnamed statements (one round
+//! trip, planned each time): what PgBouncer's transaction pooling needs
+//! before 1.21, which does not carry prepared statements between
+//! transactions.
 //!
 //! Errors never carry the connection string: a failure is "the session
 //! store (postgres) is unavailable", logged with the reason (a SQLSTATE, a
@@ -67,6 +70,48 @@ use crate::{
 /// A statement's parameter and its type.
 type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 
+/// A pooled connection and how statements are sent on it.
+struct Conn {
+    client: deadpool_postgres::Object,
+    /// Prepared and cached per connection, or unnamed with their types.
+    prepared: bool,
+}
+
+impl Conn {
+    /// The rows of `sql` with `params`.
+    async fn rows(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        if self.prepared {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            let statement = self.client.prepare_typed_cached(sql, &types).await?;
+            self.client.query(&statement, &values).await
+        } else {
+            self.client.query_typed(sql, params).await
+        }
+    }
+
+    /// At most one row.
+    async fn maybe_row(
+        &self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+        Ok(self.rows(sql, params).await?.into_iter().next())
+    }
+
+    /// The rows `sql` changed.
+    async fn exec(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
+        if self.prepared {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            let statement = self.client.prepare_typed_cached(sql, &types).await?;
+            self.client.execute(&statement, &values).await
+        } else {
+            self.client.execute_typed(sql, params).await
+        }
+    }
+}
+
 /// Sessions in PostgreSQL.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
@@ -75,6 +120,8 @@ pub struct PostgresStore {
     idle_ttl: Duration,
     /// How long any statement but a query's lease and commit may wait.
     timeout: Duration,
+    /// Whether statements are prepared and cached per connection.
+    prepared: bool,
     /// Whether start-up (and health, until it succeeds) migrates the
     /// schema, or only checks it.
     migrate: bool,
@@ -194,6 +241,7 @@ impl PostgresStore {
             lease_ttl,
             idle_ttl,
             timeout,
+            prepared: settings.prepared_statements,
             migrate: settings.migrate,
             cache,
             reads_new_only: Arc::default(),
@@ -230,6 +278,12 @@ impl PostgresStore {
         schema::migrate(&self.pool).await
     }
 
+    /// A connection from the pool, for `what`.
+    async fn conn(&self, what: &'static str) -> Result<Conn, StoreError> {
+        let client = self.pool.get().await.map_err(pool_error(what))?;
+        Ok(Conn { client, prepared: self.prepared })
+    }
+
     /// The deadline of a statement that has only the store's timeout.
     fn soon(&self) -> Instant {
         Instant::now() + self.timeout
@@ -244,14 +298,9 @@ impl PostgresStore {
     }
 
     /// The committed messages of a session from `from` to `count`, in order.
-    async fn messages(
-        client: &deadpool_postgres::Object,
-        session_id: &str,
-        from: i64,
-        count: i64,
-    ) -> Result<Vec<Message>, StoreError> {
+    async fn messages(client: &Conn, session_id: &str, from: i64, count: i64) -> Result<Vec<Message>, StoreError> {
         let rows = client
-            .query_typed(
+            .rows(
                 "SELECT message FROM lattice_messages WHERE session_id = $1 AND seq >= $2 AND seq < $3 ORDER BY seq",
                 &[(&session_id, Type::TEXT), (&from, Type::INT8), (&count, Type::INT8)],
             )
@@ -267,13 +316,13 @@ impl PostgresStore {
     /// Ok(true): given back here; Ok(false): the token was no longer there
     /// (committed, expired or taken over).
     async fn give_back(&self, id: &str, token: uuid::Uuid, created: bool) -> Result<bool, StoreError> {
-        let client = self.pool.get().await.map_err(pool_error("release"))?;
+        let client = self.conn("release").await?;
         let sql = if created {
             "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
         } else {
             "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL WHERE id = $1 AND lease_token = $2"
         };
-        let n = client.execute_typed(sql, &[(&id, Type::TEXT), (&token, Type::UUID)]).await.map_err(db("release"))?;
+        let n = client.exec(sql, &[(&id, Type::TEXT), (&token, Type::UUID)]).await.map_err(db("release"))?;
         if created && let Some(cache) = &self.cache {
             cache.forget(id);
         }
@@ -282,9 +331,9 @@ impl PostgresStore {
 
     /// Whether the commit made under `token` is the session's last.
     async fn landed(&self, id: &str, token: uuid::Uuid) -> Result<bool, StoreError> {
-        let client = self.pool.get().await.map_err(pool_error("read back"))?;
+        let client = self.conn("read back").await?;
         let row = client
-            .query_typed_opt(
+            .maybe_row(
                 "SELECT last_commit = $2 FROM lattice_sessions WHERE id = $1",
                 &[(&id, Type::TEXT), (&token, Type::UUID)],
             )
@@ -299,9 +348,9 @@ impl PostgresStore {
         let attempt = move || {
             let (store, id) = (store.clone(), id.clone());
             async move {
-                let client = store.pool.get().await.map_err(pool_error("renew"))?;
+                let client = store.conn("renew").await?;
                 client
-                    .execute_typed(
+                    .exec(
                         "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
                          WHERE id = $1 AND lease_token = $2",
                         &[(&id, Type::TEXT), (&token, Type::UUID), (&store.ttl_ms(), Type::FLOAT8)],
@@ -348,13 +397,7 @@ enum Sent {
 impl PgLease {
     /// The commit statement, once.
     async fn send_commit(&self, rows: &[String]) -> Sent {
-        let client = match self.store.pool.get().await {
-            Ok(c) => c,
-            Err(e) => {
-                pool_error("commit")(e);
-                return Sent::NotWritten;
-            }
-        };
+        let Ok(client) = self.store.conn("commit").await else { return Sent::NotWritten };
         let n = rows.len() as i64;
         // One statement, so one round trip and atomic: the version bump
         // (only with our token and the version we read), the new rows
@@ -368,7 +411,7 @@ impl PgLease {
             (&rows, Type::TEXT_ARRAY),
         ];
         let result = client
-            .query_typed_one(
+            .maybe_row(
                 "WITH bump AS (
                      UPDATE lattice_sessions
                      SET version = version + 1, message_count = message_count + $4, last_commit = $2,
@@ -384,7 +427,8 @@ impl PgLease {
                 &params,
             )
             .await;
-        match result.and_then(|row| row.try_get::<_, i64>(0)) {
+        // (`SELECT count(*)` returns one row; none would mean no commit.)
+        match result.and_then(|row| row.map_or(Ok(0), |r| r.try_get::<_, i64>(0))) {
             Ok(1) => Sent::Committed,
             Ok(_) => Sent::LeaseGone,
             Err(e) => {
@@ -496,7 +540,7 @@ impl PostgresStore {
         create: bool,
         token: uuid::Uuid,
     ) -> Result<Lease, StoreError> {
-        let client = self.pool.get().await.map_err(pool_error("acquire"))?;
+        let client = self.conn("acquire").await?;
         let (session, version, born) = if create {
             let owner = owner.unwrap_or_default();
             let params: [Param<'_>; 5] = [
@@ -507,7 +551,7 @@ impl PostgresStore {
                 (&owner, Type::TEXT),
             ];
             let inserted = client
-                .query_typed_opt(
+                .maybe_row(
                     "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires, owner)
                      VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond', $5)
                      ON CONFLICT (id) DO NOTHING
@@ -541,7 +585,7 @@ impl PostgresStore {
                 (&known_count, Type::INT8),
             ];
             let row = client
-                .query_typed_opt(
+                .maybe_row(
                     "WITH lease AS (
                          UPDATE lattice_sessions
                          SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
@@ -567,7 +611,7 @@ impl PostgresStore {
                 .map_err(db("acquire"))?;
             let Some(row) = row else {
                 let found = client
-                    .query_typed_opt(
+                    .maybe_row(
                         "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
                            AND ($3::text IS NULL OR owner = $3)",
                         &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8), (&owner, Type::TEXT)],
@@ -692,7 +736,7 @@ impl SessionStore for PostgresStore {
         bytes: usize,
     ) -> StoreFuture<'a, StoredPage> {
         Box::pin(bounded(self.soon(), "get", StoreError::Unavailable("postgres"), async move {
-            let client = self.pool.get().await.map_err(pool_error("get"))?;
+            let client = self.conn("get").await?;
             // The session and its page in one statement (one snapshot). The
             // page is walked message by message, one index lookup each, and
             // the walk stops at the size asked for: the rest of the
@@ -713,7 +757,7 @@ impl SessionStore for PostgresStore {
                 (&bytes, Type::INT8),
             ];
             let row = client
-                .query_typed_opt(
+                .maybe_row(
                     "WITH RECURSIVE s AS (
                          SELECT agent, message_count,
                                 touched_at < now() - $2 * interval '100 milliseconds' AS stale
@@ -744,7 +788,7 @@ impl SessionStore for PostgresStore {
             );
             if stale {
                 client
-                    .execute_typed(
+                    .exec(
                         "UPDATE lattice_sessions SET touched_at = now()
                          WHERE id = $1 AND touched_at < now() - $2 * interval '100 milliseconds'",
                         &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8)],
@@ -759,9 +803,9 @@ impl SessionStore for PostgresStore {
 
     fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()> {
         Box::pin(bounded(self.soon(), "delete", StoreError::Unavailable("postgres"), async move {
-            let client = self.pool.get().await.map_err(pool_error("delete"))?;
+            let client = self.conn("delete").await?;
             let deleted = client
-                .execute_typed(
+                .exec(
                     "DELETE FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)
                        AND (lease_token IS NULL OR lease_expires < now())",
                     &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
@@ -775,7 +819,7 @@ impl SessionStore for PostgresStore {
                 return Ok(());
             }
             let found = client
-                .query_typed_opt(
+                .maybe_row(
                     "SELECT 1 FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)",
                     &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
                 )
@@ -787,8 +831,8 @@ impl SessionStore for PostgresStore {
 
     fn ready(&self) -> StoreFuture<'_, ()> {
         Box::pin(bounded(self.soon(), "ready", StoreError::Unavailable("postgres"), async move {
-            let client = self.pool.get().await.map_err(pool_error("ready"))?;
-            client.simple_query("SELECT 1").await.map_err(db("ready"))?;
+            let client = self.conn("ready").await?;
+            client.client.simple_query("SELECT 1").await.map_err(db("ready"))?;
             Ok(())
         }))
     }
@@ -802,9 +846,9 @@ impl PostgresStore {
     /// Deletes sessions idle past the limit (their messages go with them).
     pub async fn sweep(&self) -> Result<u64, StoreError> {
         bounded(self.soon(), "sweep", StoreError::Unavailable("postgres"), async {
-            let client = self.pool.get().await.map_err(pool_error("sweep"))?;
+            let client = self.conn("sweep").await?;
             client
-                .execute_typed(
+                .exec(
                     "DELETE FROM lattice_sessions WHERE touched_at < now() - $1 * interval '1 second'
                      AND (lease_token IS NULL OR lease_expires < now())",
                     &[(&self.idle_s(), Type::FLOAT8)],
