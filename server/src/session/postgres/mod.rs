@@ -37,13 +37,14 @@
 //! store (postgres) is unavailable", logged with the reason (a SQLSTATE, a
 //! TLS verdict, a refused or reset connection).
 
+mod conn;
 mod connect;
+mod lease;
 mod renew;
 mod schema;
 mod url;
 
 use std::{
-    future::Future,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -51,66 +52,21 @@ use std::{
     time::Duration,
 };
 
+use conn::{Conn, Param, bounded, db, pool_error, pool_reason};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use lease::PgLease;
 pub use schema::{SchemaError, VERSION as SCHEMA_VERSION};
 use tokio::{sync::watch, time::Instant};
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::warn;
 
-use super::{
-    Lease, LeaseHolder, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache,
-};
+use super::{Lease, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache};
 use crate::{
     config::PostgresSettings,
     domain::Message,
     metrics::{Family, Metrics},
 };
-
-/// A statement's parameter and its type.
-type Param<'a> = (&'a (dyn ToSql + Sync), Type);
-
-/// A pooled connection and how statements are sent on it.
-struct Conn {
-    client: deadpool_postgres::Object,
-    /// Prepared and cached per connection, or unnamed with their types.
-    prepared: bool,
-}
-
-impl Conn {
-    /// The rows of `sql` with `params`.
-    async fn rows(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
-        if self.prepared {
-            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
-            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
-            let statement = self.client.prepare_typed_cached(sql, &types).await?;
-            self.client.query(&statement, &values).await
-        } else {
-            self.client.query_typed(sql, params).await
-        }
-    }
-
-    /// At most one row.
-    async fn maybe_row(
-        &self,
-        sql: &str,
-        params: &[Param<'_>],
-    ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
-        Ok(self.rows(sql, params).await?.into_iter().next())
-    }
-
-    /// The rows `sql` changed.
-    async fn exec(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
-        if self.prepared {
-            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
-            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
-            let statement = self.client.prepare_typed_cached(sql, &types).await?;
-            self.client.execute(&statement, &values).await
-        } else {
-            self.client.execute_typed(sql, params).await
-        }
-    }
-}
 
 /// Sessions in PostgreSQL.
 #[derive(Debug, Clone)]
@@ -132,48 +88,6 @@ pub struct PostgresStore {
     /// messages read), and on one read whole.
     reads_new_only: Arc<AtomicUsize>,
     reads_whole: Arc<AtomicUsize>,
-}
-
-/// Logs why an operation failed (never the connection string, never a
-/// statement's values) and maps it to "unavailable".
-fn unavailable(what: &str, reason: &str) -> StoreError {
-    warn!(operation = what, reason, "session store failed");
-    StoreError::Unavailable("postgres")
-}
-
-fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError {
-    move |e| unavailable(what, &connect::reason(&e))
-}
-
-/// Why the pool gave no connection.
-fn pool_reason(e: &deadpool_postgres::PoolError) -> String {
-    match e {
-        deadpool_postgres::PoolError::Backend(b) => connect::reason(b),
-        deadpool_postgres::PoolError::Timeout(_) => "no connection within the store's timeout".to_owned(),
-        other => format!("{other}"),
-    }
-}
-
-fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolError) -> StoreError {
-    move |e| unavailable(what, &pool_reason(&e))
-}
-
-/// `fut`, given until `until`: past it, it is dropped (its connection with
-/// it: a statement cut off mid-way leaves no connection in the pool) and
-/// the operation fails as `late`.
-async fn bounded<T>(
-    until: Instant,
-    what: &'static str,
-    late: StoreError,
-    fut: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    match tokio::time::timeout_at(until, fut).await {
-        Ok(result) => result,
-        Err(_) => {
-            warn!(operation = what, "session store did not answer in time");
-            Err(late)
-        }
-    }
 }
 
 /// A count or size as a bigint parameter (larger ones mean "no limit").
@@ -360,172 +274,6 @@ impl PostgresStore {
             }
         };
         tokio::spawn(renew::keep_alive(self.lease_ttl, self.timeout, attempt, lost, done));
-    }
-}
-
-/// A lease on one session row.
-#[derive(Debug)]
-struct PgLease {
-    store: PostgresStore,
-    id: String,
-    token: uuid::Uuid,
-    version: i64,
-    created: bool,
-    /// The session row's creation time, and its messages when the lease
-    /// was taken: where a commit's messages go in the cache.
-    born: i64,
-    count: usize,
-    /// Stops the renewer.
-    done: CancellationToken,
-}
-
-/// What became of a commit statement.
-enum Sent {
-    /// It ran and committed.
-    Committed,
-    /// It ran and found the lease gone (expired and taken over): nothing
-    /// was written.
-    LeaseGone,
-    /// It was not sent (no connection), or the server refused it (its
-    /// transaction rolled back): nothing was written.
-    NotWritten,
-    /// It was sent and no answer came (a reset, a failover): it may have
-    /// landed.
-    Unknown,
-}
-
-impl PgLease {
-    /// The commit statement, once.
-    async fn send_commit(&self, rows: &[String]) -> Sent {
-        let Ok(client) = self.store.conn("commit").await else { return Sent::NotWritten };
-        let n = rows.len() as i64;
-        // One statement, so one round trip and atomic: the version bump
-        // (only with our token and the version we read), the new rows
-        // numbered after the old ones, the commit's token (to read back),
-        // and the release. No bump, no rows.
-        let params: [Param<'_>; 5] = [
-            (&self.id, Type::TEXT),
-            (&self.token, Type::UUID),
-            (&self.version, Type::INT8),
-            (&n, Type::INT8),
-            (&rows, Type::TEXT_ARRAY),
-        ];
-        let result = client
-            .maybe_row(
-                "WITH bump AS (
-                     UPDATE lattice_sessions
-                     SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-                         lease_token = NULL, lease_expires = NULL, touched_at = now()
-                     WHERE id = $1 AND lease_token = $2 AND version = $3
-                     RETURNING message_count - $4 AS first
-                 ), rows AS (
-                     INSERT INTO lattice_messages (session_id, seq, message)
-                     SELECT $1, bump.first + t.ord - 1, t.m
-                     FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
-                 )
-                 SELECT count(*) FROM bump",
-                &params,
-            )
-            .await;
-        // (`SELECT count(*)` returns one row; none would mean no commit.)
-        match result.and_then(|row| row.map_or(Ok(0), |r| r.try_get::<_, i64>(0))) {
-            Ok(1) => Sent::Committed,
-            Ok(_) => Sent::LeaseGone,
-            Err(e) => {
-                let refused = e.as_db_error().is_some();
-                db("commit")(e);
-                if refused { Sent::NotWritten } else { Sent::Unknown }
-            }
-        }
-    }
-
-    /// Gives the lease back by token in a task of its own, within the
-    /// store's timeout (whoever waits for it may stop waiting).
-    fn give_back_later(&self) -> tokio::task::JoinHandle<()> {
-        let store = self.store.clone();
-        let (id, token, created) = (self.id.clone(), self.token, self.created);
-        tokio::spawn(async move {
-            let soon = store.soon();
-            let _ = bounded(soon, "release", StoreError::Deadline, store.give_back(&id, token, created)).await;
-        })
-    }
-
-    /// After a commit that may have landed: gives the lease back by token,
-    /// which fences off the commit if it is still in flight, or, if the
-    /// token is gone, reads back whether the commit took it.
-    async fn settle(&self, until: Instant) -> Result<(), StoreError> {
-        let resolved = bounded(until, "read back", StoreError::CommitOutcomeUnknown, async {
-            if self.store.give_back(&self.id, self.token, self.created).await? {
-                // Given back here: no commit under this token can land now.
-                return Ok(Err(StoreError::Unavailable("postgres")));
-            }
-            // The token is gone: our commit took it, or the lease expired.
-            Ok(if self.store.landed(&self.id, self.token).await? { Ok(()) } else { Err(StoreError::LeaseLost) })
-        })
-        .await;
-        // Not asked in time, or not answered: nobody can tell.
-        resolved.unwrap_or(Err(StoreError::CommitOutcomeUnknown))
-    }
-}
-
-impl LeaseHolder for PgLease {
-    fn commit(&self, appended: Vec<Message>, deadline: Option<Instant>) -> StoreFuture<'_, ()> {
-        Box::pin(async move {
-            self.done.cancel();
-            let until = deadline.unwrap_or_else(|| self.store.soon());
-            let rows: Vec<String> = appended
-                .iter()
-                .map(|m| serde_json::to_string(m).map_err(|_| StoreError::Unavailable("postgres")))
-                .collect::<Result<_, _>>()?;
-            if Instant::now() >= until {
-                // Not sent: nothing written.
-                self.give_back_later();
-                return Err(StoreError::Deadline);
-            }
-            let sent = match tokio::time::timeout_at(until, self.send_commit(&rows)).await {
-                Ok(sent) => sent,
-                Err(_) => {
-                    warn!(operation = "commit", "session store did not answer before the query's deadline");
-                    // Nothing can be asked after the deadline. The lease is
-                    // still given back (if the commit did not take it), so
-                    // that the session is free again sooner.
-                    self.give_back_later();
-                    return Err(StoreError::CommitOutcomeUnknown);
-                }
-            };
-            let outcome = match sent {
-                Sent::Committed => Ok(()),
-                Sent::LeaseGone => Err(StoreError::LeaseLost),
-                Sent::NotWritten => {
-                    // The lease is given back, so that a retry finds the
-                    // session free (best effort: else it expires).
-                    let _ = tokio::time::timeout_at(until, self.give_back_later()).await;
-                    Err(StoreError::Unavailable("postgres"))
-                }
-                Sent::Unknown => self.settle(until).await,
-            };
-            match &outcome {
-                Ok(()) => {
-                    debug!(session_id = %self.id, appended = rows.len(), "session committed");
-                    if let Some(cache) = &self.store.cache {
-                        cache.append(&self.id, self.born, self.count, appended);
-                    }
-                }
-                Err(e) => debug!(session_id = %self.id, error = %e, "session not committed"),
-            }
-            outcome
-        })
-    }
-
-    fn release(self: Arc<Self>) -> StoreFuture<'static, ()> {
-        self.done.cancel();
-        Box::pin(async move {
-            let until = self.store.soon();
-            bounded(until, "release", StoreError::Unavailable("postgres"), async {
-                self.store.give_back(&self.id, self.token, self.created).await.map(drop)
-            })
-            .await
-        })
     }
 }
 
@@ -857,23 +605,5 @@ impl PostgresStore {
                 .map_err(db("sweep"))
         })
         .await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A statement the database never answers fails at its deadline, as
-    /// the error it was given, not later.
-    #[tokio::test(start_paused = true)]
-    async fn a_wait_on_a_silent_database_ends_at_its_deadline() {
-        let start = Instant::now();
-        let until = start + Duration::from_millis(1500);
-        let never = std::future::pending::<Result<(), StoreError>>();
-        assert_eq!(bounded(until, "get", StoreError::Deadline, never).await, Err(StoreError::Deadline));
-        assert_eq!(start.elapsed(), Duration::from_millis(1500));
-        let answered = async { Ok::<_, StoreError>(7) };
-        assert_eq!(bounded(until, "get", StoreError::Deadline, answered).await, Ok(7));
     }
 }

@@ -1,0 +1,124 @@
+//! A pooled connection and the statements sent on it: prepared once per
+//! connection, or unnamed with their types (PgBouncer's transaction
+//! pooling); how a failure is logged (the reason, never a value or the
+//! connection string); and the bound every wait on the database has.
+
+use std::future::Future;
+
+use tokio::time::Instant;
+use tokio_postgres::types::{ToSql, Type};
+use tracing::warn;
+
+use super::connect;
+use crate::session::StoreError;
+
+/// A statement's parameter and its type.
+pub(super) type Param<'a> = (&'a (dyn ToSql + Sync), Type);
+
+/// A pooled connection and how statements are sent on it.
+pub(super) struct Conn {
+    pub(super) client: deadpool_postgres::Object,
+    /// Prepared and cached per connection, or unnamed with their types.
+    pub(super) prepared: bool,
+}
+
+impl Conn {
+    /// The rows of `sql` with `params`.
+    pub(super) async fn rows(
+        &self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        if self.prepared {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            let statement = self.client.prepare_typed_cached(sql, &types).await?;
+            self.client.query(&statement, &values).await
+        } else {
+            self.client.query_typed(sql, params).await
+        }
+    }
+
+    /// At most one row.
+    pub(super) async fn maybe_row(
+        &self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+        Ok(self.rows(sql, params).await?.into_iter().next())
+    }
+
+    /// The rows `sql` changed.
+    pub(super) async fn exec(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
+        if self.prepared {
+            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+            let statement = self.client.prepare_typed_cached(sql, &types).await?;
+            self.client.execute(&statement, &values).await
+        } else {
+            self.client.execute_typed(sql, params).await
+        }
+    }
+}
+
+/// Logs why an operation failed (never the connection string, never a
+/// statement's values) and maps it to "unavailable".
+pub(super) fn unavailable(what: &str, reason: &str) -> StoreError {
+    warn!(operation = what, reason, "session store failed");
+    StoreError::Unavailable("postgres")
+}
+
+pub(super) fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError {
+    move |e| unavailable(what, &connect::reason(&e))
+}
+
+/// Why the pool gave no connection.
+pub(super) fn pool_reason(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::Backend(b) => connect::reason(b),
+        deadpool_postgres::PoolError::Timeout(_) => "no connection within the store's timeout".to_owned(),
+        other => format!("{other}"),
+    }
+}
+
+pub(super) fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolError) -> StoreError {
+    move |e| unavailable(what, &pool_reason(&e))
+}
+
+/// `fut`, given until `until`: past it, it is dropped (its connection with
+/// it: a statement cut off mid-way leaves no connection in the pool) and
+/// the operation fails as `late`.
+pub(super) async fn bounded<T>(
+    until: Instant,
+    what: &'static str,
+    late: StoreError,
+    fut: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout_at(until, fut).await {
+        Ok(result) => result,
+        Err(_) => {
+            warn!(operation = what, "session store did not answer in time");
+            Err(late)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A statement the database never answers fails at its deadline, as
+    /// the error it was given, not later.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_on_a_silent_database_ends_at_its_deadline() {
+        let start = Instant::now();
+        let until = start + Duration::from_millis(1500);
+        let never = std::future::pending::<Result<(), StoreError>>();
+        assert_eq!(bounded(until, "get", StoreError::Deadline, never).await, Err(StoreError::Deadline));
+        assert_eq!(start.elapsed(), Duration::from_millis(1500));
+        let answered = async { Ok::<_, StoreError>(7) };
+        assert_eq!(bounded(until, "get", StoreError::Deadline, answered).await, Ok(7));
+    }
+}
