@@ -93,15 +93,10 @@ impl PgLease {
         }
     }
 
-    /// Gives the lease back by token in a task of its own, within the
-    /// store's timeout (whoever waits for it may stop waiting).
+    /// Gives the lease back by token in a task of its own (see
+    /// [`PostgresStore::give_back_later`]).
     fn give_back_later(&self) -> tokio::task::JoinHandle<()> {
-        let store = self.store.clone();
-        let (id, token, created) = (self.id.clone(), self.token, self.created);
-        tokio::spawn(async move {
-            let soon = store.soon();
-            let _ = bounded(soon, "release", StoreError::Deadline, store.give_back(&id, token, created)).await;
-        })
+        self.store.give_back_later(self.id.clone(), self.token, self.created)
     }
 
     /// After a commit that may have landed: gives the lease back by token,

@@ -243,6 +243,18 @@ impl PostgresStore {
         Ok(n == 1)
     }
 
+    /// [`PostgresStore::give_back`] in a task of its own, within the
+    /// store's timeout (whoever waits for it may stop waiting).
+    fn give_back_later(&self, id: String, token: uuid::Uuid, created: bool) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let until = store.soon();
+            let _ =
+                bounded(until, "release", StoreError::Unavailable("postgres"), store.give_back(&id, token, created))
+                    .await;
+        })
+    }
+
     /// Whether the commit made under `token` is the session's last.
     async fn landed(&self, id: &str, token: uuid::Uuid) -> Result<bool, StoreError> {
         let client = self.conn("read back").await?;
@@ -462,12 +474,7 @@ impl SessionStore for PostgresStore {
             // The store may have granted the lease (a reply lost, a history
             // that did not read, the deadline): give it back by token,
             // within the store's timeout, waited for until the deadline.
-            let store = self.clone();
-            let (id, until) = (session_id.to_owned(), self.soon());
-            let give_back = tokio::spawn(async move {
-                let give_back = store.give_back(&id, token, create);
-                let _ = bounded(until, "release", StoreError::Unavailable("postgres"), give_back).await;
-            });
+            let give_back = self.give_back_later(session_id.to_owned(), token, create);
             if wait {
                 let _ = tokio::time::timeout_at(deadline, give_back).await;
             }
