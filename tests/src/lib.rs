@@ -542,8 +542,9 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// Panics unless the query succeeded; returns the final result.
-    pub fn ok(&self) -> &pb::FinalResult {
+    /// The final result of a query that succeeded; panics (with the status)
+    /// if it failed.
+    pub fn expect_ok(&self) -> &pb::FinalResult {
         if let Some(s) = &self.status {
             panic!("query failed: {:?} {}", s.code(), s.message());
         }

@@ -24,7 +24,7 @@ async fn a_tool_result_reaches_the_model() {
         + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "find ada").await;
-    let result = out.ok();
+    let result = out.expect_ok();
     assert_eq!(result.text, r#"model saw: found {"q":"ada"}"#);
     assert_eq!(result.turns, 2);
     assert_eq!(result.stop_reason, pb::StopReason::EndTurn as i32);
@@ -47,7 +47,7 @@ async fn several_tool_calls_get_one_result_each_in_order() {
         + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     assert_eq!(out.tool_texts(), vec!["r1", "r2", "r3"]);
     let ids: Vec<String> = out.tool_results().iter().map(|t| t.result.as_ref().unwrap().tool_use_id.clone()).collect();
     // Distinct ids, whatever their order (dedup alone only drops neighbours).
@@ -67,7 +67,7 @@ async fn parallel_and_sequential_tool_calls() {
             cfg::agent("a", keys) + &cfg::turn("go", &["slow", "slow", "slow"]) + &cfg::tools(&tools.url, 5000);
         let lattice = Lattice::start(&config).await;
         let out = lattice.query("a", "go").await;
-        out.ok();
+        out.expect_ok();
         assert_eq!(tools.state.max_active.load(std::sync::atomic::Ordering::SeqCst), expected_overlap, "{keys:?}");
         if expected_overlap == 1 {
             assert!(out.elapsed >= slow * 3, "sequential took {:?}", out.elapsed);
@@ -88,7 +88,7 @@ async fn a_denied_tool_is_blocked_and_never_called() {
         + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    out.ok();
+    out.expect_ok();
     let results = out.tool_results();
     assert_eq!(results[0].outcome, ToolCallOutcome::Blocked as i32);
     assert!(results[0].result.as_ref().unwrap().is_error);
@@ -106,7 +106,7 @@ async fn calls_over_the_batch_limit_are_blocked() {
         + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    out.ok();
+    out.expect_ok();
     let outcomes: Vec<i32> = out.tool_results().iter().map(|t| t.outcome).collect();
     let (e, b) = (ToolCallOutcome::Executed as i32, ToolCallOutcome::Blocked as i32);
     assert_eq!(outcomes, vec![e, e, b]);
@@ -121,7 +121,7 @@ async fn an_unknown_tool_gets_an_error_result() {
         cfg::agent("a", "") + &cfg::turn("go", &["no_such_tool"]) + &cfg::turn("after: {{last_tool_result}}", &[]);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     assert!(text.starts_with("after: unknown tool"), "{text}");
     assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Blocked as i32);
 }
@@ -137,7 +137,7 @@ async fn a_tool_service_down_gives_an_error_result() {
         + &cfg::declared_tools(&url, 2000, &["lookup"]);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     assert!(text.contains("Unavailable"), "{text}");
     assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Failed as i32);
     assert!(out.tool_results()[0].result.as_ref().unwrap().is_error);
@@ -159,7 +159,7 @@ async fn a_tool_reply_with_a_malformed_status_gives_an_error_result() {
         let lattice = Lattice::start(&config).await;
         for _ in 0..2 {
             let out = lattice.query("a", "go").await;
-            let text = out.ok().text.clone();
+            let text = out.expect_ok().text.clone();
             assert!(text.contains("Internal") && text.contains("malformed"), "{status_in:?}: {text}");
             assert!(!text.contains(MalformedStatus::DETAILS), "{text}");
             assert_eq!(out.tool_results()[0].outcome, ToolCallOutcome::Failed as i32);
@@ -187,7 +187,7 @@ async fn a_tool_request_over_the_limit_is_not_sent() {
     let first = lattice_tests::result_text(results[0].result.as_ref().unwrap());
     assert!(first.contains("was not called") && first.contains("over the limit of 512"), "{first}");
     assert_eq!(results[0].outcome, ToolCallOutcome::Failed as i32);
-    assert_eq!(out.ok().text, "after: done");
+    assert_eq!(out.expect_ok().text, "after: done");
     assert_eq!(tools.state.called(), ["t"], "only the small request reached the tool");
 }
 
@@ -202,7 +202,7 @@ async fn a_tool_past_its_deadline_fails_in_time() {
         + &cfg::tools(&tools.url, 200);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     assert!(text.contains("did not answer within"), "{text}");
     let took = out.tool_results()[0].duration_ms;
     assert!((200..400).contains(&took), "took {took} ms");
@@ -222,7 +222,7 @@ async fn max_turns_stops_the_loop() {
         + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("a", "go").await;
-    let r = out.ok();
+    let r = out.expect_ok();
     assert_eq!(r.stop_reason, pb::StopReason::MaxTurns as i32);
     assert_eq!(r.turns, 2);
     assert_eq!(out.assistant_texts(), vec!["1", "2"]);
@@ -239,7 +239,7 @@ async fn max_turns_stops_the_loop() {
             ..Default::default()
         })
         .await;
-    next.ok();
+    next.expect_ok();
     let sent = next.model_requests()[0];
     let roles: Vec<i32> = sent.messages.iter().map(|m| m.role).collect();
     assert!(roles.windows(2).all(|w| w[0] != w[1]), "{roles:?}");
@@ -304,12 +304,12 @@ async fn one_query_at_a_time_per_session() {
         .await;
     assert_eq!(second.code(), Code::FailedPrecondition, "{:?}", second.status);
     let slow = slow.await.unwrap();
-    assert_eq!(slow.ok().text, "done");
+    assert_eq!(slow.expect_ok().text, "done");
     // And once it is done, the session takes queries again.
     let again = lattice2
         .query_with(QueryOpts { agent: "b".into(), prompt: "four".into(), session: Some(sid), ..Default::default() })
         .await;
-    again.ok();
+    again.expect_ok();
 }
 
 /// A query that fails leaves the stored conversation exactly as it was.
@@ -338,7 +338,7 @@ async fn a_failed_query_leaves_the_history_unchanged() {
         + &cfg::tools(&tools_fast.url, 10_000);
     let lattice = Lattice::start(&config).await;
     let ok = lattice.query("b", "first").await;
-    ok.ok();
+    ok.expect_ok();
     let sid = ok.session_id();
     let before = lattice.session(&sid).await.unwrap();
     assert_eq!(before.messages.len(), 4);
@@ -369,7 +369,7 @@ async fn a_delegated_agent_answers_as_a_tool() {
         + &cfg::turn("42 (I saw {{message_count}} message: {{last_user_text}})", &[]);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("parent", "go").await;
-    assert_eq!(out.ok().text, "child said: 42 (I saw 1 message: what is 6x7?)");
+    assert_eq!(out.expect_ok().text, "child said: 42 (I saw 1 message: what is 6x7?)");
     // The parent's session holds the parent's conversation only.
     let stored = lattice.session(&out.session_id()).await.unwrap();
     assert_eq!(stored.agent, "parent");
@@ -391,7 +391,7 @@ async fn delegation_depth_is_bounded() {
         + &cfg::agent("c", "")
         + &cfg::turn("c answers", &[]);
     let lattice = Lattice::start(&config).await;
-    let text = lattice.query("a", "go").await.ok().text.clone();
+    let text = lattice.query("a", "go").await.expect_ok().text.clone();
     assert!(text.starts_with("a got: b got: agent \"c\" was not called: delegation depth limit"), "{text}");
 }
 
@@ -423,7 +423,7 @@ async fn bad_input_is_refused_clearly() {
     let huge = lattice.query_with(q("a", "x".repeat(100_000), None)).await;
     assert!(matches!(huge.code(), Code::OutOfRange | Code::ResourceExhausted), "{:?}", huge.status);
     // Nothing was stored by any of them; the service still works.
-    lattice.query("a", "hi").await.ok();
+    lattice.query("a", "hi").await.expect_ok();
     let mut client = lattice.client().await;
     let missing = client.get_agent(pb::GetAgentRequest { name: "nobody".into() }).await.unwrap_err();
     assert_eq!(missing.code(), Code::NotFound);
@@ -476,14 +476,14 @@ async fn a_reply_too_large_for_the_client_is_not_committed() {
     assert_eq!(lattice.session(&out.session_id()).await.unwrap_err().code(), Code::NotFound);
 
     let small = lattice.query("echo", "hi").await;
-    assert_eq!(small.ok().text, "hihi");
+    assert_eq!(small.expect_ok().text, "hihi");
     let sid = small.session_id();
     let out = lattice.query_with(big(Some(sid.clone()))).await;
     assert_eq!(out.code(), Code::ResourceExhausted, "{:?}", out.status);
     let stored = lattice.session(&sid).await.unwrap();
     assert_eq!(stored.messages.len(), 2, "the failed query left the history as it was");
     let next = QueryOpts { agent: "echo".into(), prompt: "yo".into(), session: Some(sid), ..Default::default() };
-    assert_eq!(lattice.query_with(next).await.ok().text, "yoyo");
+    assert_eq!(lattice.query_with(next).await.expect_ok().text, "yoyo");
 }
 
 /// A conversation larger than one reply may be is read in pages: each
@@ -548,7 +548,7 @@ async fn a_tool_service_that_starts_later_is_discovered_later() {
         assert!(std::time::Instant::now() < deadline, "the late tool service was never discovered");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(lattice.query("a", "go").await.ok().text, "got late data");
+    assert_eq!(lattice.query("a", "go").await.expect_ok().text, "got late data");
     assert!(ready().await);
 }
 
@@ -566,7 +566,7 @@ async fn a_stopping_server_serves_through_its_drain() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let watcher = Lattice::remote_unchecked(&url);
     assert!(!watcher.serving().await, "NOT_SERVING as soon as the drain starts");
-    assert_eq!(client.query("a", "during the drain").await.ok().text, "hi");
+    assert_eq!(client.query("a", "during the drain").await.expect_ok().text, "hi");
     stopping.await.unwrap();
     assert!(started.elapsed() >= Duration::from_millis(800), "stopped after {:?}", started.elapsed());
 }
@@ -790,7 +790,7 @@ async fn agents_and_sessions_can_be_inspected() {
     assert_eq!((a.hooks[0].ready_addresses, a.hooks[0].required, a.ready), (0, true, false));
 
     let out = lattice.query("b", "remember me").await;
-    out.ok();
+    out.expect_ok();
     let sid = out.session_id();
     let s = lattice.session(&sid).await.unwrap();
     assert_eq!(lattice_tests::message_text(&s.messages[0]), "remember me");
@@ -809,7 +809,7 @@ async fn worker_threads_sets_the_runtime_size() {
     let agent = cfg::agent("a", "") + &cfg::turn("hi", &[]);
     for (n, flavor) in [(1usize, "current_thread"), (3, "multi_thread")] {
         let lattice = Lattice::spawn(&(format!("[server]\nworker_threads = {n}\n") + &agent), &[]).await;
-        assert_eq!(lattice.query("a", "hello").await.ok().text, "hi");
+        assert_eq!(lattice.query("a", "hello").await.expect_ok().text, "hi");
         let logs = lattice.process_logs();
         assert!(logs.contains(&format!("\"worker_threads\":{n}")), "{logs}");
         assert!(logs.contains(&format!("\"runtime\":\"{flavor}\"")), "{logs}");
@@ -832,7 +832,7 @@ async fn busy_polling_serves_calls_and_sleeps_when_idle() {
         + &cfg::hook("redact", &redact, &["tool_result"], 2000);
     let lattice = Lattice::spawn(&config, &[]).await;
     for _ in 0..20 {
-        let text = lattice.query("support", "Find the customers").await.ok().text.clone();
+        let text = lattice.query("support", "Find the customers").await.expect_ok().text.clone();
         assert!(text.contains("[REDACTED:email]") && !text.contains("ada.lovelace@example.com"), "{text}");
     }
     let logs = lattice.process_logs();
@@ -851,7 +851,7 @@ async fn busy_polling_serves_calls_and_sleeps_when_idle() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = cpu_ticks() - before;
     assert!(idle < 20, "an idle server spent {idle} ticks of 100 in a second");
-    assert_eq!(lattice.query("support", "again").await.ok().turns, 2);
+    assert_eq!(lattice.query("support", "again").await.expect_ok().turns, 2);
 }
 
 /// `lattice serve` runs without transparent huge pages: mimalloc asks the
@@ -868,10 +868,10 @@ async fn lattice_serve_runs_without_transparent_huge_pages() {
         line.split_whitespace().nth(1).unwrap().to_owned()
     };
     let lattice = Lattice::spawn(&config, &[]).await;
-    assert_eq!(lattice.query("a", "x").await.ok().turns, 1);
+    assert_eq!(lattice.query("a", "x").await.expect_ok().turns, 1);
     assert_eq!(thp_enabled(&lattice), "0");
     let opted_in = Lattice::spawn(&config, &[("MIMALLOC_ALLOW_THP", "1")]).await;
-    assert_eq!(opted_in.query("a", "x").await.ok().turns, 1);
+    assert_eq!(opted_in.query("a", "x").await.expect_ok().turns, 1);
     assert_eq!(thp_enabled(&opted_in), "1");
 }
 

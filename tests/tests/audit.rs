@@ -66,7 +66,7 @@ async fn a_redaction_shows_as_a_hash_change_at_the_hook_that_made_it() {
     let b = HookServer::start(redact).await;
     let lattice = Lattice::start(&chain(&cfg::tools(&tools.url, 2000), [&a, &b, &c])).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "done: [REDACTED]");
+    assert_eq!(out.expect_ok().text, "done: [REDACTED]");
     assert_no_leak(&secret, &lattice, &out);
 
     let audit = audit_of(&lattice.traces());
@@ -135,7 +135,7 @@ async fn a_keyed_audit_record_uses_hmac() {
         + &chain(&cfg::tools(&tools.url, 2000), [&a, &b, &c]);
     let lattice = Lattice::start_with_env(&config, &[("LATTICE_TEST_AUDIT_KEY", key)]).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "done: [REDACTED]");
+    assert_eq!(out.expect_ok().text, "done: [REDACTED]");
     assert_no_leak(&secret, &lattice, &out);
     let audit = audit_of(&lattice.traces());
     assert_eq!(audit["digest"], "hmac-sha256");

@@ -58,12 +58,12 @@ async fn bearer_tokens_authenticate_and_agents_authorize() {
     let wrong = lattice.query_with(with_token("support", Some("not-a-token"))).await;
     assert_eq!(wrong.status.as_ref().map(|s| s.code()), Some(Code::Unauthenticated));
 
-    assert_eq!(lattice.query_with(with_token("support", Some(alice))).await.ok().text, "done: the tool ran");
+    assert_eq!(lattice.query_with(with_token("support", Some(alice))).await.expect_ok().text, "done: the tool ran");
     let denied = lattice.query_with(with_token("support", Some(bob))).await;
     assert_eq!(denied.status.as_ref().map(|s| s.code()), Some(Code::PermissionDenied));
     assert_eq!(tools.state.called().len(), 1, "bob's query called no tool");
     // An agent that lists no principals takes any authenticated one.
-    assert_eq!(lattice.query_with(with_token("open", Some(bob))).await.ok().text, "hello");
+    assert_eq!(lattice.query_with(with_token("open", Some(bob))).await.expect_ok().text, "hello");
 
     let mut client = lattice.client().await;
     let dry = || pb::TestHooksRequest {
@@ -177,7 +177,7 @@ async fn sessions_belong_to_their_owner() {
     for store in ["", postgres] {
         let lattice = Lattice::spawn(&(auth.clone() + store + &agent), &[("LATTICE_POSTGRES_URL", &url)]).await;
         let first = lattice.query_with(with_token("a", Some(alice))).await;
-        assert_eq!(first.ok().text, "seen 1", "{store}");
+        assert_eq!(first.expect_ok().text, "seen 1", "{store}");
         let sid = first.session_id();
         let go_on = |token: &str| QueryOpts { session: Some(sid.clone()), ..with_token("a", Some(token)) };
 
@@ -190,7 +190,7 @@ async fn sessions_belong_to_their_owner() {
         assert_eq!(client.delete_session(delete(bob)).await.unwrap_err().code(), Code::NotFound);
 
         assert_eq!(client.get_session(get(alice)).await.unwrap().into_inner().messages.len(), 2, "{store}");
-        assert_eq!(lattice.query_with(go_on(alice)).await.ok().text, "seen 3", "bob's attempts changed nothing");
+        assert_eq!(lattice.query_with(go_on(alice)).await.expect_ok().text, "seen 3", "bob's attempts changed nothing");
         client.delete_session(delete(alice)).await.unwrap();
         assert_eq!(client.get_session(get(alice)).await.unwrap_err().code(), Code::NotFound);
     }
@@ -235,7 +235,7 @@ async fn the_cli_sends_a_token() {
 async fn metrics_are_on_the_admin_port_only() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let lattice = Lattice::start(&(cfg::agent("a", "") + &cfg::turn("hi", &[]))).await;
-    lattice.query("a", "go").await.ok();
+    lattice.query("a", "go").await.expect_ok();
     assert!(lattice.metrics().await.contains("lattice_queries_total{agent=\"a\",code=\"OK\"} 1"));
     let api = lattice.url.trim_start_matches("http://").to_owned();
     let mut conn = tokio::net::TcpStream::connect(&api).await.unwrap();
@@ -276,12 +276,16 @@ async fn per_principal_limits_refuse_with_a_retry_hint() {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.get_details_retry_info().and_then(|r| r.retry_delay).is_some(), "{status:?}");
     assert!(status.message().contains("queries_in_flight"), "{status:?}");
-    assert_eq!(lattice.query_with(with_token("slow", Some(bob))).await.ok().text, "done", "bob is not held back");
-    assert_eq!(running.await.unwrap().ok().text, "done");
+    assert_eq!(
+        lattice.query_with(with_token("slow", Some(bob))).await.expect_ok().text,
+        "done",
+        "bob is not held back"
+    );
+    assert_eq!(running.await.unwrap().expect_ok().text, "done");
 
     // Alice has started 1 of her 3 a minute (the refused one counts none).
     for _ in 0..2 {
-        assert_eq!(lattice.query_with(with_token("slow", Some(alice))).await.ok().text, "done");
+        assert_eq!(lattice.query_with(with_token("slow", Some(alice))).await.expect_ok().text, "done");
     }
     let over = lattice.query_with(with_token("slow", Some(alice))).await.status.expect("over the rate");
     assert_eq!(over.code(), Code::ResourceExhausted);
@@ -305,7 +309,7 @@ async fn groups_name_sets_of_principals() {
     let agent = cfg::agent("support", "principals = [\"group:frontends\"]") + &cfg::turn("hello", &[]);
     let lattice = Lattice::spawn(&(auth.clone() + &agent), &[]).await;
     for member in [alice, bob] {
-        assert_eq!(lattice.query_with(with_token("support", Some(member))).await.ok().text, "hello");
+        assert_eq!(lattice.query_with(with_token("support", Some(member))).await.expect_ok().text, "hello");
     }
     let denied = lattice.query_with(with_token("support", Some(carol))).await;
     assert_eq!(denied.status.as_ref().map(|s| s.code()), Some(Code::PermissionDenied));

@@ -88,7 +88,7 @@ impl Load {
                         let out = client.query("x", "go").await;
                         assert!(!out.everything().contains(&secret), "the canary leaked");
                         if out.status.is_none() {
-                            *tally.answers.entry(out.ok().text.clone()).or_default() += 1;
+                            *tally.answers.entry(out.expect_ok().text.clone()).or_default() += 1;
                         } else {
                             let kind =
                                 out.hook_failure().get("kind").cloned().unwrap_or_else(|| format!("{:?}", out.code()));
@@ -124,7 +124,7 @@ async fn until_answer(client: &Lattice, text: &str, within: Duration) {
     let until = Instant::now() + within;
     loop {
         let out = client.query("x", "go").await;
-        if out.status.is_none() && out.ok().text == text {
+        if out.status.is_none() && out.expect_ok().text == text {
             return;
         }
         assert!(Instant::now() < until, "no answer {text:?} within {within:?}");
@@ -259,7 +259,7 @@ async fn a_killed_hook_replica_fails_only_the_calls_on_it() {
     // Afterwards everything goes to the survivor.
     let since = Instant::now();
     while since.elapsed() < Duration::from_secs(2) {
-        assert_eq!(client.query("x", "go").await.ok().text, "model saw clean[b]");
+        assert_eq!(client.query("x", "go").await.expect_ok().text, "model saw clean[b]");
     }
     assert!(!container_logs(server).await.contains(&secret), "the canary reached the server's logs");
 }

@@ -73,7 +73,7 @@ impl OnNetwork {
             let out = self.client.query("x", "go").await;
             assert!(!out.everything().contains(secret));
             if out.status.is_none() {
-                assert_eq!(out.ok().text, "model saw clean");
+                assert_eq!(out.expect_ok().text, "model saw clean");
                 break;
             }
             assert!(Instant::now() < deadline, "no recovery within {within:?}: {:?}", out.status);
@@ -99,7 +99,7 @@ async fn three_hook_containers_keep_registered_order() {
     let config = agent_with(&cfg::tools(&tools.url, 2000), &[("a", &ua, 2000), ("b", &ub, 2000), ("c", &uc, 2000)]);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "model saw clean[A][B][C]");
+    assert_eq!(out.expect_ok().text, "model saw clean[A][B][C]");
     assert_no_leak(&secret, &lattice, &out);
 }
 
@@ -119,7 +119,7 @@ async fn a_paused_hook_aborts_at_its_deadline_and_recovers() {
     );
     let lattice = std::sync::Arc::new(Lattice::start(&config).await);
     let ok = lattice.query("x", "go").await;
-    assert_eq!(ok.ok().text, "model saw clean[1][2]");
+    assert_eq!(ok.expect_ok().text, "model saw clean[1][2]");
 
     let l = lattice.clone();
     let query = tokio::spawn(async move { l.query("x", "go").await });
@@ -138,7 +138,7 @@ async fn a_paused_hook_aborts_at_its_deadline_and_recovers() {
     assert_no_leak(&secret, &lattice, &out);
 
     second.unpause().await.unwrap();
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean[1][2]");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean[1][2]");
 }
 
 /// A stopped hook container aborts queries (unavailable: its name no
@@ -149,7 +149,7 @@ async fn a_paused_hook_aborts_at_its_deadline_and_recovers() {
 async fn a_stopped_hook_aborts_and_recovers_at_its_new_address() {
     let secret = canary();
     let on = OnNetwork::start("restart", &["--text", &secret], 2000, &["--replace", "clean"], 1000).await;
-    assert_eq!(on.client.query("x", "go").await.ok().text, "model saw clean");
+    assert_eq!(on.client.query("x", "go").await.expect_ok().text, "model saw clean");
     let first_address = container_ip(&on.hook, &on.net);
 
     on.hook.stop().await.unwrap();
@@ -199,7 +199,7 @@ async fn a_dns_endpoint_spreads_calls_over_the_replicas() {
                 let out = client.query("x", "go").await;
                 assert!(!out.everything().contains(&secret));
                 if out.status.is_none() {
-                    *seen.entry(out.ok().text.clone()).or_default() += 1;
+                    *seen.entry(out.expect_ok().text.clone()).or_default() += 1;
                     continue;
                 }
                 // Refused, or unreachable until the deadline.
@@ -224,7 +224,7 @@ async fn a_dns_endpoint_spreads_calls_over_the_replicas() {
     // reconnect attempt gives up, about every second.)
     let until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < until {
-        assert_eq!(client.query("x", "go").await.ok().text, "model saw clean[b]");
+        assert_eq!(client.query("x", "go").await.expect_ok().text, "model saw clean[b]");
     }
     assert!(!container_logs(&server).await.contains(&secret), "the canary reached the server's logs");
 }
@@ -264,7 +264,7 @@ async fn a_tool_killed_mid_call_gives_an_error_result_through_the_chain() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     docker(&["kill", tool.id()]);
     let out = query.await.unwrap();
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     assert!(text.starts_with("model saw tool \"fetch\" failed"), "{text}");
     assert!(out.tool_results()[0].result.as_ref().unwrap().is_error);
     let seen = hook.state.tool_results();
@@ -287,7 +287,7 @@ async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
         2000,
     )
     .await;
-    assert_eq!(on.client.query("x", "go").await.ok().text, "model saw clean[h]");
+    assert_eq!(on.client.query("x", "go").await.expect_ok().text, "model saw clean[h]");
 
     let c = on.client.clone();
     let in_flight = tokio::spawn(async move { c.query("x", "go").await });
@@ -296,7 +296,7 @@ async fn the_server_in_a_container_uses_dns_and_stops_cleanly_on_sigterm() {
     let signalled = Instant::now();
     // The query in flight when SIGTERM came finishes, with its result.
     let out = in_flight.await.unwrap();
-    assert_eq!(out.ok().text, "model saw clean[h]");
+    assert_eq!(out.expect_ok().text, "model saw clean[h]");
     while on.server.is_running().await.unwrap_or(false) {
         assert!(signalled.elapsed() < Duration::from_secs(5), "the server did not exit after SIGTERM");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -316,7 +316,7 @@ async fn a_hook_cut_off_the_network_aborts_at_its_deadline_and_recovers() {
     // The tool takes 1 s, so the cut lands mid-query, before the hook call.
     let on =
         OnNetwork::start("cut", &["--delay-ms", "1000", "--text", &secret], 5000, &["--replace", "clean"], 700).await;
-    assert_eq!(on.client.query("x", "go").await.ok().text, "model saw clean");
+    assert_eq!(on.client.query("x", "go").await.expect_ok().text, "model saw clean");
 
     let c = on.client.clone();
     let query = tokio::spawn(async move { c.query("x", "go").await });
@@ -351,7 +351,7 @@ async fn the_python_hook_chains_with_containerized_rust_hooks() {
     );
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "model saw mail [REDACTED:email] [A] [B]");
+    assert_eq!(out.expect_ok().text, "model saw mail [REDACTED:email] [A] [B]");
     assert_no_leak("ada@example.com", &lattice, &out);
 }
 
@@ -381,7 +381,7 @@ async fn lattice_containers_share_sessions_and_survive_a_killed_replica() {
     let client_b = Lattice::remote(&host_url(&b, LATTICE_PORT).await).await;
 
     let first = client_a.query("x", "go").await;
-    assert_eq!(first.ok().text, "model saw data");
+    assert_eq!(first.expect_ok().text, "model saw data");
     let sid = first.session_id();
     let again = |prompt: &str| QueryOpts {
         agent: "x".into(),
@@ -389,7 +389,7 @@ async fn lattice_containers_share_sessions_and_survive_a_killed_replica() {
         session: Some(sid.clone()),
         ..Default::default()
     };
-    assert_eq!(client_b.query_with(again("on b")).await.ok().text, "model saw data");
+    assert_eq!(client_b.query_with(again("on b")).await.expect_ok().text, "model saw data");
     let committed = client_b.session(&sid).await.unwrap();
     assert_eq!(committed.messages.len(), 8);
 
@@ -411,7 +411,7 @@ async fn lattice_containers_share_sessions_and_survive_a_killed_replica() {
         assert!(killed.elapsed() < Duration::from_secs(15), "the dead replica's lease never expired");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(out.ok().text, "model saw data");
+    assert_eq!(out.expect_ok().text, "model saw data");
     let after = client_b.session(&sid).await.unwrap();
     assert_eq!(after.messages[..8], committed.messages[..], "the committed history is intact");
     assert_eq!(after.messages.len(), 12, "nothing of the killed query was stored");

@@ -31,7 +31,7 @@ async fn redact_then_audit_over_the_example_tools() {
         + &cfg::hook("audit", &audit, &["tool_result", "model_request"], 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("support", "Find the customers").await;
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     for marker in ["[REDACTED:email]", "[REDACTED:phone]", "[REDACTED:card]", "[REDACTED:api_key]"] {
         assert!(text.contains(marker), "{marker} missing: {text}");
     }
@@ -62,7 +62,7 @@ async fn the_truncate_example_shortens_requests_safely() {
         + &cfg::hook("truncate", &truncate, &["model_request"], 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "saw 3");
+    assert_eq!(out.expect_ok().text, "saw 3");
     let sizes: Vec<usize> = out.model_requests().iter().map(|r| r.messages.len()).collect();
     assert_eq!(sizes, vec![1, 3, 3, 3]);
     assert_eq!(lattice.session(&out.session_id()).await.unwrap().messages.len(), 8);
@@ -87,7 +87,7 @@ async fn the_python_hook_works_in_a_chain_with_rust_hooks() {
         + &cfg::hook("after", &after.url, &["tool_result"], 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "mail [REDACTED:email] [before] [after]");
+    assert_eq!(out.expect_ok().text, "mail [REDACTED:email] [before] [after]");
     let after_saw = lattice_tests::result_text(after.state.tool_results()[0].result.as_ref().unwrap());
     assert_eq!(after_saw, "mail [REDACTED:email] [before]");
     assert!(!lattice.traces().contains("ada@example.com"));
@@ -123,7 +123,7 @@ async fn go_python_and_rust_hooks_run_in_one_chain() {
         + &cfg::hook("rust", &rust, &["tool_result"], 2000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "mail [REDACTED:email] or [REDACTED:email] or [REDACTED:email]");
+    assert_eq!(out.expect_ok().text, "mail [REDACTED:email] or [REDACTED:email] or [REDACTED:email]");
     let bob_saw = lattice_tests::result_text(bob.state.tool_results()[0].result.as_ref().unwrap());
     assert_eq!(bob_saw, "mail [REDACTED:email]", "the Go hook ran first");
     let eve_saw = lattice_tests::result_text(eve.state.tool_results()[0].result.as_ref().unwrap());

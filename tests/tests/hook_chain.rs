@@ -44,7 +44,7 @@ async fn three_hooks_fold_in_registered_order() {
         + &cfg::hook("c", &c.url, &both, 1000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "model saw data[A][B][C] / sys[A][B][C]");
+    assert_eq!(out.expect_ok().text, "model saw data[A][B][C] / sys[A][B][C]");
     assert_eq!(out.tool_texts(), vec!["data[A][B][C]"]);
     assert_eq!(out.model_requests()[0].system, "sys[A][B][C]");
     // Each saw the previous output.
@@ -75,7 +75,7 @@ async fn keep_replace_and_flip_is_error() {
     let lattice = Lattice::start(&config).await;
 
     let out = lattice.query("x", "go").await;
-    out.ok();
+    out.expect_ok();
     let errs: Vec<bool> = out.tool_results().iter().map(|t| t.result.as_ref().unwrap().is_error).collect();
     assert_eq!(errs, vec![false, true]);
     assert_eq!(out.tool_texts(), vec!["fine", "tool error text"]);
@@ -113,7 +113,7 @@ async fn on_tool_result_sees_every_kind_of_result() {
         + &cfg::tools(&tools.url, 2000)
         + &cfg::hook("h", &hook.url, &["tool_result"], 1000);
     let lattice = Lattice::start(&config).await;
-    lattice.query("x", "go").await.ok();
+    lattice.query("x", "go").await.expect_ok();
     let seen = hook.state.tool_results();
     let kinds: Vec<(String, i32, i32)> = seen
         .iter()
@@ -187,7 +187,7 @@ async fn on_model_request_shapes_one_request_only() {
         + &cfg::hook("h", &hook.url, &["model_request"], 1000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert_eq!(out.ok().text, "model saw 1 message(s)");
+    assert_eq!(out.expect_ok().text, "model saw 1 message(s)");
     let seen = hook.state.model_requests();
     let turns: Vec<u32> = seen.iter().map(|r| r.context.as_ref().unwrap().turn).collect();
     assert_eq!(turns, vec![1, 2, 3]);
@@ -210,7 +210,7 @@ async fn system_only_and_empty_list_replacements() {
         + &cfg::turn("{{system}} / {{message_count}}", &[])
         + &cfg::hook("h", &hook.url, &["model_request"], 1000);
     let lattice = Lattice::start(&config).await;
-    assert_eq!(lattice.query("x", "hi").await.ok().text, "new system / 1");
+    assert_eq!(lattice.query("x", "hi").await.expect_ok().text, "new system / 1");
     hook.state.set(Behaviour { on_request: OnRequest::EmptyMessages, ..Default::default() });
     let out = lattice.query("x", "hi").await;
     assert_eq!(out.hook_failure()["kind"], "invalid_reply");
@@ -520,7 +520,7 @@ async fn dns_endpoints_resolve_and_fail_closed_without_an_address() {
         let out = lattice.query("x", "go").await;
         assert_no_leak(&secret, &lattice, &out);
         if out.status.is_none() {
-            assert_eq!(out.ok().text, "model saw clean");
+            assert_eq!(out.expect_ok().text, "model saw clean");
             break;
         }
         assert!(Instant::now() < deadline, "the dns:/// hook never answered: {:?}", out.status);
@@ -562,7 +562,7 @@ async fn metrics_count_queries_hook_calls_and_tool_calls() {
     assert_eq!(sample(&before, "lattice_queries_in_flight"), Some(0.0), "{before}");
     assert_eq!(sample(&before, r#"lattice_queries_total{agent="x",code="OK"}"#), None);
 
-    lattice.query("x", "go").await.ok();
+    lattice.query("x", "go").await.expect_ok();
     // The second query aborts at the first result's hook: its second call
     // (sequential) never runs.
     hook.state.behaviour.lock().unwrap().fail = Some(Code::PermissionDenied);
@@ -639,7 +639,7 @@ async fn delegated_agents_run_their_own_chain() {
         + &cfg::hook("c", &child_hook.url, &["tool_result"], 1000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("parent", "go").await;
-    assert_eq!(out.ok().text, "parent got child got inner-data[C][P]");
+    assert_eq!(out.expect_ok().text, "parent got child got inner-data[C][P]");
     let parent_seen = parent_hook.state.tool_results();
     assert_eq!(parent_seen.len(), 1);
     assert_eq!(parent_seen[0].tool_name, "child");
@@ -668,7 +668,7 @@ async fn a_disabled_hook_is_skipped() {
         + &cfg::turn("hi", &[])
         + &cfg::disabled_hook("off", &off.url, &["tool_result", "model_request"]);
     let lattice = Lattice::start(&config).await;
-    lattice.query("x", "hi").await.ok();
+    lattice.query("x", "hi").await.expect_ok();
     assert!(off.state.calls.lock().unwrap().is_empty());
 }
 
@@ -693,7 +693,7 @@ async fn parallel_results_keep_their_order_and_their_chain() {
         + &cfg::hook("b", &b.url, &["tool_result"], 1000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    let text = out.ok().text.clone();
+    let text = out.expect_ok().text.clone();
     assert_eq!(out.tool_texts(), vec!["Sab", "Mab", "Fab"]);
     assert!(text.ends_with("Sab\nMab\nFab"), "{text}");
     // The chains overlapped (fast's finished first) ...
@@ -728,7 +728,7 @@ async fn a_conversation_larger_than_the_hook_limit_goes_on_in_a_window() {
             ..Default::default()
         };
         let out = lattice.query_with(opts).await;
-        seen.push(out.ok().text.clone());
+        seen.push(out.expect_ok().text.clone());
         session = Some(out.session_id());
     }
     let sid = session.unwrap();
@@ -755,7 +755,7 @@ async fn a_conversation_larger_than_the_hook_limit_goes_on_in_a_window() {
     assert!(message.contains("was not called") && !message.contains("failed on"), "{message}");
     assert_eq!(lattice.session(&sid).await.unwrap().messages.len(), 12);
     let next = QueryOpts { agent: "x".into(), prompt: "small".into(), session: Some(sid), ..Default::default() };
-    lattice.query_with(next).await.ok();
+    lattice.query_with(next).await.expect_ok();
 }
 
 /// The first hook failure aborts the query at once: it does not wait for a
@@ -804,7 +804,7 @@ async fn the_trace_records_post_hook_values() {
         + &cfg::hook("redact", &hook.url, &["tool_result"], 1000);
     let lattice = Lattice::start(&config).await;
     let out = lattice.query("x", "go").await;
-    assert!(out.ok().text.contains("[redacted]"));
+    assert!(out.expect_ok().text.contains("[redacted]"));
     let trace = lattice.traces();
     for kind in ["model_request", "assistant_message", "tool_use", "tool_result", "result"] {
         assert!(trace.contains(&format!("\"type\":\"{kind}\"")), "missing {kind} in trace");

@@ -206,7 +206,7 @@ async fn a_panicking_hook_answers_internal_and_goes_on_serving() {
     assert_eq!(meta["kind"], "status", "{:?}", out.status);
     assert_eq!(meta["code"], "INTERNAL");
     assert_no_leak(&secret, &lattice, &out);
-    assert_eq!(lattice.query("y", "go").await.ok().text, "fine", "the hook still serves");
+    assert_eq!(lattice.query("y", "go").await.expect_ok().text, "fine", "the hook still serves");
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }

@@ -87,7 +87,7 @@ async fn a_tool_outcome_is_not_recorded_on_the_query_span() {
     let config =
         cfg::agent("x", "") + &cfg::turn("go", &["t"]) + &cfg::turn("done", &[]) + &cfg::tools(&tools.url, 2000);
     let lattice = Lattice::spawn(&config, &[("RUST_LOG", "info,lattice_server=debug")]).await;
-    assert_eq!(lattice.query("x", "go").await.ok().text, "done");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "done");
     let log = lattice.process_logs();
     let line = log.lines().find(|l| l.contains("\"tool result\"")).expect("the tool result's debug line");
     let v: serde_json::Value = serde_json::from_str(line).unwrap();

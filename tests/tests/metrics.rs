@@ -67,7 +67,7 @@ async fn metrics_parse_and_count_what_happened() {
         + &cfg::tools(&tools.url, 2000)
         + &cfg::hook("sleepy", &slow.url, &["tool_result"], 100);
     let lattice = Lattice::spawn(&config, &[]).await;
-    assert_eq!(lattice.query("ok", "go").await.ok().text, "done");
+    assert_eq!(lattice.query("ok", "go").await.expect_ok().text, "done");
     assert_eq!(lattice.query("slow", "go").await.hook_failure()["kind"], "deadline");
 
     let samples = parse(&lattice.metrics().await);

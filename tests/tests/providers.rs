@@ -171,7 +171,7 @@ async fn anthropic_runs_a_multi_turn_query_end_to_end() {
     ])
     .await;
     let (lattice, out, ..) = exchange(P::Anthropic, &api).await;
-    let result = out.ok();
+    let result = out.expect_ok();
     assert_eq!(result.text, "All done.");
     assert_eq!(result.usage, Some(Usage { input_tokens: 70, output_tokens: 15 }));
     assert_eq!(
@@ -227,7 +227,7 @@ async fn openai_runs_a_multi_turn_query_end_to_end() {
     ])
     .await;
     let (lattice, out, ..) = exchange(P::OpenAi, &api).await;
-    let result = out.ok();
+    let result = out.expect_ok();
     assert_eq!(result.text, "All done.");
     assert_eq!(result.usage, Some(Usage { input_tokens: 70, output_tokens: 15 }));
     assert_eq!(
@@ -272,7 +272,7 @@ async fn max_tokens_stops_with_its_reason() {
         let api = FakeApi::start(vec![final_reply(p, "cut sh", stop)]).await;
         let lattice = spawn(&agent(p, &api.url, "stream = false")).await;
         let out = lattice.query("m", "talk").await;
-        let r = out.ok();
+        let r = out.expect_ok();
         assert_eq!(r.stop_reason, lattice_proto::agent::v1::StopReason::MaxTokens as i32, "{p:?}");
         assert_eq!(r.text, "cut sh");
         assert!(api.received()[0].body.contains("\"max_tokens\":512"));
@@ -292,7 +292,7 @@ async fn a_429_is_retried_after_retry_after() {
         let api = FakeApi::start(vec![limited, final_reply(p, "finally", "end_turn")]).await;
         let lattice = spawn(&agent(p, &api.url, "stream = false")).await;
         let out = lattice.query("m", "hi").await;
-        assert_eq!(out.ok().text, "finally", "{p:?}");
+        assert_eq!(out.expect_ok().text, "finally", "{p:?}");
         let reqs = api.received();
         assert_eq!(reqs.len(), 2);
         let waited = reqs[1].at - reqs[0].at;
@@ -474,7 +474,7 @@ async fn an_error_inside_the_stream_is_retried_only_when_nothing_was_streamed() 
         let api = FakeApi::start(vec![stream_error(p, overloaded, None), good]).await;
         let lattice = spawn(&agent(p, &api.url, "")).await;
         let out = lattice.query("m", "hi").await;
-        assert_eq!(out.ok().text, "recovered", "{p:?}");
+        assert_eq!(out.expect_ok().text, "recovered", "{p:?}");
         assert_eq!(api.received().len(), 2, "{p:?}: retried once");
 
         let api = FakeApi::start(vec![stream_error(p, overloaded, Some("Half"))]).await;

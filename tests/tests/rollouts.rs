@@ -58,7 +58,7 @@ async fn a_call_the_hook_never_received_is_retried() {
         let out = lattice.query("x", "go").await;
         assert!(gate.spent(), "{refusal:?}: the call's connection went through the gate");
         assert_no_leak(&secret, &lattice, &out);
-        assert_eq!(out.ok().text, "model saw clean", "{refusal:?}");
+        assert_eq!(out.expect_ok().text, "model saw clean", "{refusal:?}");
         assert_eq!(hook.state.tool_results().len(), 1, "{refusal:?}: the hook got the call once");
         assert_eq!(tools.state.calls.lock().unwrap().len(), 1);
     }
@@ -91,7 +91,7 @@ async fn a_tool_call_the_service_never_received_is_retried() {
         gate.arm(refusal);
         let out = lattice.query("x", "go").await;
         assert!(gate.spent(), "{refusal:?}");
-        assert_eq!(out.ok().text, "model saw fetched", "{refusal:?}");
+        assert_eq!(out.expect_ok().text, "model saw fetched", "{refusal:?}");
         assert_eq!(tools.state.calls.lock().unwrap().len(), before + 1, "{refusal:?}: the tool ran once");
     }
 }
@@ -133,7 +133,7 @@ async fn readiness_follows_the_required_hooks() {
     assert!(lattice.metrics().await.contains(&format!("{gauge} 1")), "{}", lattice.metrics().await);
     let hooks = agent_state(&lattice).await.hooks;
     assert_eq!((hooks[0].ready_addresses, hooks[0].required), (1, true));
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean");
 
     hook.stop();
     assert!(eventually(HEALTH_EVERY * 4, || async { !lattice.serving().await }).await, "NOT_SERVING without the hook");
@@ -152,7 +152,7 @@ async fn readiness_follows_the_required_hooks() {
     let _hook = HookServer::start_on(lattice_tests::rebind(hook_addr).await, hook_addr, redact()).await;
     assert!(eventually(HEALTH_EVERY * 4, || async { lattice.serving().await }).await, "SERVING with the hook back");
     assert_eq!(agent_state(&lattice).await.hooks[0].ready_addresses, 1);
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean");
 }
 
 /// Start-up order doesn't matter for hooks either: Lattice started before
@@ -174,5 +174,5 @@ async fn a_hook_that_starts_later_is_waited_for() {
     let _hook = HookServer::start_on(port.listen(), hook_addr, redact()).await;
     assert!(eventually(HEALTH_EVERY * 4, || async { lattice.serving().await }).await, "SERVING once the hook is up");
     assert!(agent_state(&lattice).await.ready);
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean");
 }

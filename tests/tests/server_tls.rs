@@ -72,7 +72,7 @@ async fn client_certificates_are_identities() {
     let lattice = Lattice::spawn_tls(&config, &[], ca.client_tls(Some(&frontend))).await;
 
     let first = lattice.query_with(go("support")).await;
-    assert_eq!(first.ok().text, "done: the tool ran");
+    assert_eq!(first.expect_ok().text, "done: the tool ran");
     assert_eq!(tools.state.called().len(), 1);
 
     let anonymous = lattice.with_client_tls(Some(ca.client_tls(None)));
@@ -94,7 +94,7 @@ async fn client_certificates_are_identities() {
     assert_eq!(code(&out), Some(Code::PermissionDenied), "{:?}", out.status);
     assert!(message(&out).contains("batch.example"), "{}", message(&out));
     assert_eq!(tools.state.called().len(), 1, "a denied query calls no tool");
-    assert_eq!(as_batch.query_with(go("open")).await.ok().text, "hello");
+    assert_eq!(as_batch.query_with(go("open")).await.expect_ok().text, "hello");
 
     // The frontend's session is not batch's to read or continue.
     let sid = first.session_id();
@@ -228,7 +228,7 @@ async fn certificates_reload_from_disk_without_dropping_connections() {
     };
     tokio::time::timeout(Duration::from_secs(5), logged).await.expect("the failed reload is logged");
     assert_eq!(presented(&addr, &ca).await, Some(der(&second)), "the previous certificate stays in force");
-    assert_eq!(lattice.query_with(go("fast")).await.ok().text, "hi");
+    assert_eq!(lattice.query_with(go("fast")).await.expect_ok().text, "hi");
     assert!(!lattice.process_logs().contains(second.key_pem.lines().nth(1).unwrap()), "no key in the logs");
 }
 

@@ -66,10 +66,10 @@ fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server
 async fn a_session_moves_between_replicas() {
     let r = replicas(3, &config(0, "")).await;
     let first = r[0].query("a", "one").await;
-    assert_eq!(first.ok().text, "seen 1");
+    assert_eq!(first.expect_ok().text, "seen 1");
     let sid = first.session_id();
     let second = r[1].query_with(continue_(&sid, "two")).await;
-    assert_eq!(second.ok().text, "seen 3", "B saw A's turn");
+    assert_eq!(second.expect_ok().text, "seen 3", "B saw A's turn");
     let on_c = r[2].session(&sid).await.unwrap();
     let texts: Vec<String> = on_c.messages.iter().map(message_text).collect();
     assert_eq!(texts, vec!["one", "seen 1", "two", "seen 3"]);
@@ -166,7 +166,7 @@ async fn a_killed_replicas_lease_expires_and_nothing_half_written_remains() {
     let mut a = Lattice::spawn(&config, &[(URL_ENV, &url)]).await;
     let b = Lattice::spawn(&config, &[(URL_ENV, &url)]).await;
     let first = a.query("a", "committed").await;
-    first.ok();
+    first.expect_ok();
     let sid = first.session_id();
     let before = b.session(&sid).await.unwrap();
     assert_eq!(before.messages.len(), 4);
@@ -201,7 +201,7 @@ async fn a_killed_replicas_lease_expires_and_nothing_half_written_remains() {
         assert!(killed.elapsed() < Duration::from_secs(10), "the lease never expired");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    out.ok();
+    out.expect_ok();
     assert!(refused > 0, "the session should have been held until the lease expired");
     assert!(killed.elapsed() >= Duration::from_millis(1000), "served after {:?}", killed.elapsed());
     let after = b.session(&sid).await.unwrap();
@@ -220,7 +220,7 @@ async fn a_database_outage_is_unavailable_and_heals_by_itself() {
     let url = cluster.database().await;
     let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, &url)]).await;
     let first = lattice.query("a", "before").await;
-    first.ok();
+    first.expect_ok();
     let sid = first.session_id();
 
     cluster.stop();
@@ -243,7 +243,7 @@ async fn a_database_outage_is_unavailable_and_heals_by_itself() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let out = lattice.query_with(continue_(&sid, "after")).await;
-    assert_eq!(out.ok().text, "seen 3", "the failed query left nothing behind");
+    assert_eq!(out.expect_ok().text, "seen 3", "the failed query left nothing behind");
     let logs = lattice.process_logs();
     assert!(!logs.contains(&url), "the connection string reached the log");
 }
@@ -256,7 +256,7 @@ async fn failed_queries_leave_the_shared_history_unchanged() {
     let config = config(0, "") + &cfg::hook("h", &hook.url, &["model_request"], 1000);
     let r = replicas(2, &config).await;
     let first = r[0].query("a", "one").await;
-    first.ok();
+    first.expect_ok();
     let sid = first.session_id();
     let before = r[1].session(&sid).await.unwrap();
     hook.state.set(Behaviour { fail: Some(Code::Internal), ..Default::default() });
@@ -269,7 +269,7 @@ async fn failed_queries_leave_the_shared_history_unchanged() {
     assert_eq!(r[1].query_with(cut).await.code(), Code::DeadlineExceeded);
     assert_eq!(r[0].session(&sid).await.unwrap(), before);
     hook.state.set(Behaviour::default());
-    assert_eq!(r[1].query_with(continue_(&sid, "two")).await.ok().text, "seen 3");
+    assert_eq!(r[1].query_with(continue_(&sid, "two")).await.expect_ok().text, "seen 3");
 }
 
 /// The memory store: a new session past `max_sessions` is refused with a
@@ -280,13 +280,13 @@ async fn the_memory_store_is_bounded_and_expires() {
         "[sessions]\nmax_sessions = 2\nidle_ttl_s = 1\n".to_owned() + &cfg::agent("a", "") + &cfg::turn("hi", &[]);
     let lattice = Lattice::start(&config).await;
     let first = lattice.query("a", "1").await.session_id();
-    lattice.query("a", "2").await.ok();
+    lattice.query("a", "2").await.expect_ok();
     let full = lattice.query("a", "3").await;
     assert_eq!(full.code(), Code::ResourceExhausted, "{:?}", full.status);
     assert!(full.status.unwrap().message().contains("session store is full"));
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(lattice.session(&first).await.unwrap_err().code(), Code::NotFound);
-    lattice.query("a", "4").await.ok();
+    lattice.query("a", "4").await.expect_ok();
 }
 
 /// The lease is fenced: when another replica takes a session over (here by
@@ -578,10 +578,10 @@ async fn metrics_count_history_reads_by_how_much_was_read() {
     let kept = Lattice::start_with_env(&config(0, ""), &env).await;
     let none = Lattice::start_with_env(&config(0, "history_cache_mib = 0"), &env).await;
     let sid = kept.query("a", "one").await.session_id();
-    kept.query_with(continue_(&sid, "two")).await.ok();
-    none.query_with(continue_(&sid, "three")).await.ok();
+    kept.query_with(continue_(&sid, "two")).await.expect_ok();
+    none.query_with(continue_(&sid, "three")).await.expect_ok();
     // Knows four of the six messages: reads the other two.
-    assert_eq!(kept.query_with(continue_(&sid, "four")).await.ok().text, "seen 7");
+    assert_eq!(kept.query_with(continue_(&sid, "four")).await.expect_ok().text, "seen 7");
 
     let sample = |text: &str, series: &str| -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())

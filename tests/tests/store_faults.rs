@@ -81,7 +81,7 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
         let url = with("127.0.0.1", &params);
         let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
         let first = lattice.query("a", "over TLS").await;
-        assert_eq!(first.ok().text, "seen 1", "{params}");
+        assert_eq!(first.expect_ok().text, "seen 1", "{params}");
         let stored = lattice.session(&first.session_id()).await.unwrap();
         assert_eq!(stored.messages.len(), 2, "{params}");
         assert!(!lattice.process_logs().contains(&password), "{params}: the password reached the log");
@@ -121,7 +121,7 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals() {
         let mut ids = Vec::new();
         for i in 0..4 {
             let out = lattice.query_with(query(&format!("start {i}"), None, Duration::from_secs(10))).await;
-            out.ok();
+            out.expect_ok();
             ids.push(out.session_id());
         }
         ids
@@ -174,7 +174,7 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals() {
             tokio::time::sleep(Duration::from_millis(200)).await;
             out = lattice.query_with(query("after", Some(sid), Duration::from_secs(10))).await;
         }
-        assert_eq!(out.ok().text, "seen 3", "only the first turn and this one are stored");
+        assert_eq!(out.expect_ok().text, "seen 3", "only the first turn and this one are stored");
     }
 }
 
@@ -355,7 +355,7 @@ async fn the_schema_is_migrated_by_command_and_a_newer_one_is_refused() {
     assert!(String::from_utf8_lossy(&again.stdout).contains("up to date"));
 
     let lattice = Lattice::spawn(&never, &[(URL_ENV, url.as_str())]).await;
-    assert_eq!(lattice.query("a", "hi").await.ok().text, "seen 1");
+    assert_eq!(lattice.query("a", "hi").await.expect_ok().text, "seen 1");
     drop(lattice);
 
     // A newer Lattice migrated it further.

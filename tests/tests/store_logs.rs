@@ -42,7 +42,7 @@ async fn no_log_level_writes_a_stored_conversation() {
         let url = Cluster::shared().await.database().await;
         let lattice = Lattice::spawn(&config, &[(URL_ENV, url.as_str()), ("RUST_LOG", level)]).await;
         let first = lattice.query("a", &format!("prompt {prompt}")).await;
-        first.ok();
+        first.expect_ok();
         let session = first.session_id();
         let second = lattice
             .query_with(lattice_tests::QueryOpts {
@@ -52,7 +52,7 @@ async fn no_log_level_writes_a_stored_conversation() {
                 ..Default::default()
             })
             .await;
-        second.ok();
+        second.expect_ok();
         let log = lattice.process_logs();
         assert!(log.contains("query succeeded"), "RUST_LOG={level}: the log should hold the queries:\n{log}");
         assert!(!log.contains(&prompt), "RUST_LOG={level}: the prompt reached the log");

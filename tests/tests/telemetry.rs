@@ -157,7 +157,7 @@ async fn the_model_api_gets_the_trace_context() {
         );
     let lattice =
         Lattice::spawn(&config, &[("OTEL_BSP_SCHEDULE_DELAY", "100"), ("LATTICE_TEST_KEY", "test-key")]).await;
-    assert_eq!(lattice.query("m", "hi").await.ok().text, "hello");
+    assert_eq!(lattice.query("m", "hi").await.expect_ok().text, "hello");
     let sent = api.received();
     let traceparent = sent[0].headers.get("traceparent").expect("a traceparent to the model API");
     let (trace_id, parent) = ids(traceparent);
@@ -186,7 +186,7 @@ async fn an_sdk_hooks_json_logs_carry_the_query_trace() {
         + &cfg::tools(&tools.url, 2000)
         + &cfg::hook("redact", &url, &["tool_result"], 2000);
     let lattice = Lattice::spawn(&config, &[("OTEL_BSP_SCHEDULE_DELAY", "100")]).await;
-    assert_eq!(lattice.query("x", "go").await.ok().text, "saw mail [REDACTED:email]");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "saw mail [REDACTED:email]");
     let hook_span = loop {
         if let Some(s) = collector.spans().into_iter().find(|s| s.name == "hook") {
             break s;

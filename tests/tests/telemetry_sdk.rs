@@ -63,7 +63,7 @@ async fn an_sdk_hook_continues_the_query_trace() {
         + &cfg::tools(&tools.url, 2000)
         + &cfg::hook("clean", &format!("http://{addr}"), &["tool_result"], 2000);
     let lattice = Lattice::spawn(&config, &[("OTEL_BSP_SCHEDULE_DELAY", "100")]).await;
-    assert_eq!(lattice.query("x", "go").await.ok().text, "saw clean");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "saw clean");
 
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let (hook_call, lattice_hook) = loop {

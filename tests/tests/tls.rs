@@ -90,7 +90,7 @@ async fn hooks_and_tools_over_mutual_tls() {
             tokio::time::sleep(Duration::from_millis(20)).await;
             out = lattice.query("x", "go").await;
         }
-        assert_eq!(out.ok().text, "model saw clean", "{endpoint}");
+        assert_eq!(out.expect_ok().text, "model saw clean", "{endpoint}");
         assert_no_leak(&secret, &lattice, &out);
         // GetAgent says so.
         let agent = lattice.client().await.get_agent(GetAgentRequest { name: "x".into() }).await.unwrap().into_inner();
@@ -205,7 +205,7 @@ async fn redact_over_mutual_tls(ca: &TestCa, client: &Leaf, endpoint: &str) {
         )
     };
     let lattice = Lattice::start(&with(Some(client))).await;
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw write to [REDACTED:email]", "{endpoint}");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw write to [REDACTED:email]", "{endpoint}");
     // Without a client certificate the example refuses the connection.
     let lattice = Lattice::start_unready(&with(None)).await;
     assert!(!lattice.serving().await, "{endpoint}: the hook refuses Lattice: NOT_SERVING");
@@ -257,7 +257,7 @@ async fn a_rotated_client_certificate_reaches_new_hook_connections() {
         }
     };
     let out = tokio::time::timeout(Duration::from_secs(5), works).await.expect("the new certificate is used");
-    assert_eq!(out.ok().text, "model saw clean");
+    assert_eq!(out.expect_ok().text, "model saw clean");
 
     std::fs::write(&live.key_file, "-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n").unwrap();
     let logged = async {
@@ -266,6 +266,6 @@ async fn a_rotated_client_certificate_reaches_new_hook_connections() {
         }
     };
     tokio::time::timeout(Duration::from_secs(5), logged).await.expect("the failed reload is logged");
-    assert_eq!(lattice.query("x", "go").await.ok().text, "model saw clean", "the loaded certificate stays");
+    assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean", "the loaded certificate stays");
     assert!(!lattice_tests::logs().contains(accepted.key_pem.lines().nth(1).unwrap()), "no key in the logs");
 }

@@ -26,7 +26,7 @@ async fn a_stalled_trace_disk_never_slows_queries() {
     let config = "[server]\ntrace_queue_events = 16\n".to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
     let lattice = Lattice::spawn(&config, &[]).await;
     let first = lattice.query("a", "hi").await;
-    assert_eq!(first.ok().text, "ok");
+    assert_eq!(first.expect_ok().text, "ok");
     let sid = first.session_id();
     let file = lattice.trace_dir.join(format!("{sid}.jsonl"));
     assert!(file.exists(), "the first query's trace was written");
@@ -37,7 +37,7 @@ async fn a_stalled_trace_disk_never_slows_queries() {
     let many = async {
         for i in 0..40 {
             let out = lattice.query_with(in_session(&sid, &format!("q{i}"))).await;
-            assert_eq!(out.ok().text, "ok", "query {i}");
+            assert_eq!(out.expect_ok().text, "ok", "query {i}");
         }
     };
     tokio::time::timeout(Duration::from_secs(30), many).await.expect("queries are not held up by the trace writer");
@@ -108,7 +108,7 @@ async fn a_trace_file_gives_back_each_request_as_sent_and_grows_with_what_is_new
         if i == 8 {
             assert_eq!(out.status.as_ref().map(|s| s.code()), Some(Code::Aborted));
         } else {
-            out.ok();
+            out.expect_ok();
         }
         sid.get_or_insert(out.session_id());
         for r in out.model_requests() {
@@ -188,7 +188,7 @@ async fn trace_files_rotate_and_go_with_their_session() {
     let sid = first.session_id();
     for i in 0..11 {
         assert_eq!(
-            lattice.query_with(in_session(&sid, &format!("{i:02}{}", "y".repeat(100)))).await.ok().text.len(),
+            lattice.query_with(in_session(&sid, &format!("{i:02}{}", "y".repeat(100)))).await.expect_ok().text.len(),
             102
         );
     }

@@ -136,7 +136,7 @@ async fn hook_rows(queries: usize, tools: &ToolServer) {
         let all = Instant::now();
         for _ in 0..queries {
             let out = lattice.query("a", "go").await;
-            out.ok();
+            out.expect_ok();
             times.push(out.elapsed);
         }
         let total = all.elapsed();
@@ -232,14 +232,14 @@ async fn session_growth(
     let mut first: Option<(usize, Duration)> = None;
     for &before in sizes {
         while done < before {
-            lattice.query_with(continued(&sid)).await.ok();
+            lattice.query_with(continued(&sid)).await.expect_ok();
             done += 1;
         }
         let messages = per_query * done;
         let mut times = Vec::with_capacity(100);
         for _ in 0..100 {
             let out = lattice.query_with(continued(&sid)).await;
-            out.ok();
+            out.expect_ok();
             times.push(out.elapsed);
             done += 1;
         }
@@ -316,7 +316,7 @@ async fn stores(queries: usize) {
                             ..Default::default()
                         };
                         let out = lattice.query_with(opts).await;
-                        out.ok();
+                        out.expect_ok();
                         times.push(out.elapsed);
                     }
                     times
