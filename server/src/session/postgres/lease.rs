@@ -101,21 +101,39 @@ impl PgLease {
 
     /// After a commit that may have landed: gives the lease back by token,
     /// which fences off the commit if it is still in flight, or, if the
-    /// token is gone, reads back whether the commit took it.
+    /// token is gone, reads back whether the commit took it. Asked again
+    /// (on another connection each time) until an answer comes or `until`;
+    /// only then is the outcome unknown.
     async fn settle(&self, until: Instant) -> Result<(), StoreError> {
-        let resolved = bounded(until, "read back", StoreError::CommitOutcomeUnknown, async {
+        let ask_once = async || -> Result<Result<(), StoreError>, StoreError> {
             if self.store.give_back(&self.id, self.token, self.created).await? {
                 // Given back here: no commit under this token can land now.
                 return Ok(Err(StoreError::Unavailable("postgres")));
             }
             // The token is gone: our commit took it, or the lease expired.
             Ok(if self.store.landed(&self.id, self.token).await? { Ok(()) } else { Err(StoreError::LeaseLost) })
-        })
-        .await;
-        // Not asked in time, or not answered: nobody can tell.
-        resolved.unwrap_or(Err(StoreError::CommitOutcomeUnknown))
+        };
+        let ask = async {
+            loop {
+                match ask_once().await {
+                    Ok(outcome) => return outcome,
+                    // No answer (a reset, a refused connection): ask again.
+                    Err(_) => tokio::time::sleep(SETTLE_RETRY).await,
+                }
+            }
+        };
+        match tokio::time::timeout_at(until, ask).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                warn!(operation = "read back", "session store did not answer before the query's deadline");
+                Err(StoreError::CommitOutcomeUnknown)
+            }
+        }
     }
 }
+
+/// How long a commit's read-back waits before asking the store again.
+const SETTLE_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl LeaseHolder for PgLease {
     fn commit(&self, appended: Vec<Message>, deadline: Option<Instant>) -> StoreFuture<'_, ()> {
