@@ -1,0 +1,154 @@
+//! Taking a session's lease: creating the session, or taking its row's lease
+//! and, in the same statement, reading the messages this replica does not
+//! know yet; then the renewer.
+
+use super::*;
+
+impl PostgresStore {
+    /// Takes a session's lease (see [`SessionStore::acquire_as`]) under
+    /// `token`.
+    pub(super) async fn lease(
+        &self,
+        session_id: &str,
+        agent: &str,
+        owner: Option<&str>,
+        create: bool,
+        token: uuid::Uuid,
+    ) -> Result<Lease, StoreError> {
+        let client = self.conn("acquire").await?;
+        let (session, version, born) = if create {
+            let owner = owner.unwrap_or_default();
+            let params: [Param<'_>; 5] = [
+                (&session_id, Type::TEXT),
+                (&agent, Type::TEXT),
+                (&token, Type::UUID),
+                (&self.ttl_ms(), Type::FLOAT8),
+                (&owner, Type::TEXT),
+            ];
+            let inserted = client
+                .maybe_row(
+                    "INSERT INTO lattice_sessions (id, agent, lease_token, lease_expires, owner)
+                     VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond', $5)
+                     ON CONFLICT (id) DO NOTHING
+                     RETURNING (extract(epoch FROM created_at) * 1000000)::bigint",
+                    &params,
+                )
+                .await
+                .map_err(db("acquire"))?;
+            let Some(row) = inserted else { return Err(StoreError::Busy) };
+            let born: i64 = row.try_get(0).map_err(db("acquire"))?;
+            if let Some(cache) = &self.cache {
+                cache.put(session_id, born, &[]);
+            }
+            (StoredSession { agent: agent.to_owned(), messages: Vec::new() }, 0, born)
+        } else {
+            // What this replica knows of the conversation: the statement
+            // reads only the messages after it, unless the session is
+            // another one under the same id (created at another time).
+            let known = self.cache.as_ref().and_then(|c| c.get(session_id));
+            let known_born = known.as_ref().map(|k| k.born);
+            let known_count = known.as_ref().map_or(0, |k| k.messages.len() as i64);
+            // One round trip: the lease and, read in the same statement,
+            // the history it continues.
+            let params: [Param<'_>; 7] = [
+                (&session_id, Type::TEXT),
+                (&token, Type::UUID),
+                (&self.ttl_ms(), Type::FLOAT8),
+                (&self.idle_s(), Type::FLOAT8),
+                (&owner, Type::TEXT),
+                (&known_born, Type::INT8),
+                (&known_count, Type::INT8),
+            ];
+            let row = client
+                .maybe_row(
+                    "WITH lease AS (
+                         UPDATE lattice_sessions
+                         SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
+                             touched_at = now()
+                         WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
+                           AND ($5::text IS NULL OR owner = $5)
+                           AND (lease_token IS NULL OR lease_expires < now())
+                         RETURNING agent, version, message_count,
+                                   (extract(epoch FROM created_at) * 1000000)::bigint AS born
+                     ), known AS (
+                         SELECT CASE WHEN born = $6::bigint AND $7::bigint <= message_count
+                                     THEN $7::bigint ELSE 0 END AS start
+                         FROM lease
+                     )
+                     SELECT agent, version, message_count, born, start,
+                            ARRAY(SELECT message FROM lattice_messages
+                                  WHERE session_id = $1 AND seq >= known.start AND seq < lease.message_count
+                                  ORDER BY seq)
+                     FROM lease, known",
+                    &params,
+                )
+                .await
+                .map_err(db("acquire"))?;
+            let Some(row) = row else {
+                let found = client
+                    .maybe_row(
+                        "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
+                           AND ($3::text IS NULL OR owner = $3)",
+                        &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8), (&owner, Type::TEXT)],
+                    )
+                    .await
+                    .map_err(db("acquire"))?;
+                return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
+            };
+            let column = |i: usize| row.try_get::<_, i64>(i).map_err(db("acquire"));
+            let agent: String = row.try_get(0).map_err(db("acquire"))?;
+            let (version, count, born, start) = (column(1)?, column(2)?, column(3)?, column(4)?);
+            let stored: Vec<&str> = row.try_get(5).map_err(db("acquire"))?;
+            let fresh = if stored.len() as i64 == count - start {
+                parse(session_id, stored.into_iter())?
+            } else {
+                // The statement waited for the row while the previous
+                // query's commit landed: it took the lease after that
+                // commit, but read the messages as they were before it.
+                // A statement of its own reads them as committed. (On an
+                // error the caller gives the lease back.)
+                Self::messages(&client, session_id, start, count).await?
+            };
+            let messages = match known.filter(|_| start > 0) {
+                // The known messages, and the rest as read.
+                Some(known) => {
+                    self.reads_new_only.fetch_add(1, Ordering::Relaxed);
+                    let mut messages = Vec::with_capacity(known.messages.len() + fresh.len());
+                    messages.extend_from_slice(&known.messages);
+                    let at = known.messages.len();
+                    // Released before the cache extends its copy, which
+                    // then has no other holder and grows in place.
+                    drop(known);
+                    if let Some(cache) = &self.cache {
+                        cache.append(session_id, born, at, fresh.clone());
+                    }
+                    messages.extend(fresh);
+                    messages
+                }
+                None => {
+                    self.reads_whole.fetch_add(1, Ordering::Relaxed);
+                    if let Some(cache) = &self.cache {
+                        cache.put(session_id, born, &fresh);
+                    }
+                    fresh
+                }
+            };
+            (StoredSession { agent, messages }, version, born)
+        };
+        let count = session.messages.len();
+        let (lost_tx, lost) = watch::channel(false);
+        let done = CancellationToken::new();
+        self.renew(session_id.to_owned(), token, lost_tx, done.clone());
+        let holder = PgLease {
+            store: self.clone(),
+            id: session_id.to_owned(),
+            token,
+            version,
+            created: create,
+            born,
+            count,
+            done,
+        };
+        Ok(Lease::new(session, create, Arc::new(holder), lost))
+    }
+}
