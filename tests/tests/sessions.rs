@@ -597,3 +597,50 @@ async fn metrics_count_history_reads_by_how_much_was_read() {
     assert_eq!(sample(&text, &reads("whole")), Some(1.0), "{text}");
     assert_eq!(sample(&text, "lattice_session_history_cache_bytes"), None, "{text}");
 }
+
+/// Every query updates its session row twice (the lease, the commit).
+/// Those updates stay on the row's page and write no index entry
+/// (PostgreSQL's HOT updates), so a busy session does not bloat the
+/// table's indexes; and the sweep still finds exactly the idle sessions.
+#[tokio::test(flavor = "multi_thread")]
+async fn session_row_updates_stay_on_their_page_and_idle_sessions_are_swept() {
+    use lattice_server::{domain::Message, session::SessionStore};
+    let url = Cluster::shared().await.database().await;
+    let store = replica_store(&url, Duration::from_secs(15), 1 << 20);
+    store.migrate().await.unwrap();
+    store.acquire("busy", "a", true).await.unwrap().commit(vec![Message::user_text("0")]).await.unwrap();
+    for i in 0..100 {
+        let lease = store.acquire("busy", "a", false).await.unwrap();
+        lease.commit(vec![Message::user_text(i.to_string())]).await.unwrap();
+    }
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    // The server publishes its counters within seconds.
+    let stats = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'lattice_sessions'";
+    let started = Instant::now();
+    let (updates, hot) = loop {
+        let row = client.query_one(stats, &[]).await.unwrap();
+        let (updates, hot): (i64, i64) = (row.get(0), row.get(1));
+        if updates >= 200 || started.elapsed() > Duration::from_secs(30) {
+            break (updates, hot);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert!(updates >= 200, "the server counted {updates} updates of 200");
+    // A minute's turn moves the sweep's index: a few updates may not be HOT.
+    assert!(hot * 10 >= updates * 9, "{hot} of {updates} updates stayed on their page");
+
+    // Idle for two hours (as the sweep's index knows it too), and fresh.
+    store.acquire("idle", "a", true).await.unwrap().commit(vec![Message::user_text("x")]).await.unwrap();
+    client
+        .batch_execute(
+            "UPDATE lattice_sessions SET touched_at = now() - interval '2 hours',
+             touched_minute = date_trunc('minute', now() - interval '2 hours') WHERE id = 'idle'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.sweep().await.unwrap(), 1);
+    let left: Vec<String> =
+        client.query("SELECT id FROM lattice_sessions", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(left, ["busy"]);
+}

@@ -64,7 +64,7 @@ impl PostgresStore {
                     "WITH lease AS (
                          UPDATE lattice_sessions
                          SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
-                             touched_at = now()
+                             touched_at = now(), touched_minute = date_trunc('minute', now())
                          WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
                            AND ($5::text IS NULL OR owner = $5)
                            AND (lease_token IS NULL OR lease_expires < now())

@@ -69,7 +69,8 @@ impl PgLease {
                 "WITH bump AS (
                      UPDATE lattice_sessions
                      SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-                         lease_token = NULL, lease_expires = NULL, touched_at = now()
+                         lease_token = NULL, lease_expires = NULL,
+                         touched_at = now(), touched_minute = date_trunc('minute', now())
                      WHERE id = $1 AND lease_token = $2 AND version = $3
                      RETURNING message_count - $4 AS first
                  ), rows AS (

@@ -396,7 +396,7 @@ impl SessionStore for PostgresStore {
             if stale {
                 client
                     .exec(
-                        "UPDATE lattice_sessions SET touched_at = now()
+                        "UPDATE lattice_sessions SET touched_at = now(), touched_minute = date_trunc('minute', now())
                          WHERE id = $1 AND touched_at < now() - $2 * interval '100 milliseconds'",
                         &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8)],
                     )
@@ -456,7 +456,9 @@ impl PostgresStore {
             let client = self.conn("sweep").await?;
             client
                 .exec(
-                    "DELETE FROM lattice_sessions WHERE touched_at < now() - $1 * interval '1 second'
+                    "DELETE FROM lattice_sessions
+                     WHERE touched_minute < now() - $1 * interval '1 second'
+                       AND touched_at < now() - $1 * interval '1 second'
                      AND (lease_token IS NULL OR lease_expires < now())",
                     &[(&self.idle_s(), Type::FLOAT8)],
                 )
