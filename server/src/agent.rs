@@ -256,7 +256,7 @@ impl Runtime {
     ) -> Result<Vec<ToolResult>, AgentError> {
         // No side effects whose results could only be thrown away.
         if let Some(first) = uses.first() {
-            agent.hooks.preflight_tool_results(&first.id)?;
+            agent.hooks.preflight_tool_results(&first.id, ctx.scope.deadline).await?;
         }
         let call = |i: usize, u: &'a ToolUse| {
             let span = debug_span!(

@@ -36,51 +36,44 @@ use std::{
 
 use lattice_proto::gather::{WhenToWrite, WriteBuffer};
 
-use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
-    net::{
-        TcpStream,
-        tcp::{OwnedReadHalf, OwnedWriteHalf},
-    },
-};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// The IO handed to h2 for a hook or tool connection: reads go to the
-/// socket, writes are gathered until [`Drain::poll`].
+/// The IO handed to h2 for a hook or tool connection (TCP, or TLS over
+/// it): reads go to the stream, writes are gathered until
+/// [`Drain::poll`].
 #[derive(Debug)]
-pub(crate) struct Corked {
-    read: OwnedReadHalf,
-    out: Arc<Mutex<Out>>,
+pub(crate) struct Corked<S> {
+    out: Arc<Mutex<Out<S>>>,
 }
 
 /// Writes what a [`Corked`] gathered; polled by the connection's task after
 /// each poll of the connection.
 #[derive(Debug)]
-pub(crate) struct Drain {
-    out: Arc<Mutex<Out>>,
+pub(crate) struct Drain<S> {
+    out: Arc<Mutex<Out<S>>>,
 }
 
-/// The write half and what waits to be written on it.
+/// The stream and what waits to be written on it.
 #[derive(Debug)]
-struct Out {
-    half: OwnedWriteHalf,
+struct Out<S> {
+    io: S,
     buffer: WriteBuffer,
 }
 
-/// Splits `stream` into the IO for h2 and its drain.
-pub(crate) fn cork(stream: TcpStream) -> (Corked, Drain) {
-    let (read, half) = stream.into_split();
-    let out = Arc::new(Mutex::new(Out { half, buffer: WriteBuffer::default() }));
-    (Corked { read, out: out.clone() }, Drain { out })
+/// The IO for h2 over `stream`, and its drain.
+pub(crate) fn cork<S: AsyncRead + AsyncWrite + Unpin>(stream: S) -> (Corked<S>, Drain<S>) {
+    let out = Arc::new(Mutex::new(Out { io: stream, buffer: WriteBuffer::default() }));
+    (Corked { out: out.clone() }, Drain { out })
 }
 
-/// Only the connection's task takes the lock (h2 writes, then the drain),
-/// so it is never contended; nothing can panic while it is held, and a
-/// poisoned lock still holds consistent bytes.
-fn lock(out: &Mutex<Out>) -> MutexGuard<'_, Out> {
+/// Only the connection's task takes the lock (h2 reads and writes, then
+/// the drain), so it is never contended; nothing can panic while it is
+/// held, and a poisoned lock still holds consistent bytes.
+fn lock<S>(out: &Mutex<Out<S>>) -> MutexGuard<'_, Out<S>> {
     crate::sync::lock(out)
 }
 
-impl Drain {
+impl<S: AsyncWrite + Unpin> Drain<S> {
     /// Writes what the last poll of the connection gathered. A failure is
     /// kept for the connection's next write, and the task is polled again
     /// so that it finds it.
@@ -89,20 +82,26 @@ impl Drain {
         if out.buffer.has_failed() {
             return;
         }
-        if let Poll::Ready(Err(e)) = out.buffer.poll_drain(&mut out.half, cx) {
+        // Then flushed: TLS keeps records the socket did not take yet, and
+        // writes them only when flushed (TCP's flush does nothing).
+        let drained = match out.buffer.poll_drain(&mut out.io, cx) {
+            Poll::Ready(Ok(())) => Pin::new(&mut out.io).poll_flush(cx),
+            other => other,
+        };
+        if let Poll::Ready(Err(e)) = drained {
             out.buffer.fail(e.kind());
             cx.waker().wake_by_ref();
         }
     }
 }
 
-impl AsyncRead for Corked {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.read).poll_read(cx, buf)
+impl<S: AsyncRead + Unpin> AsyncRead for Corked<S> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut lock(&self.out).io).poll_read(cx, buf)
     }
 }
 
-impl AsyncWrite for Corked {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Corked<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         self.poll_write_vectored(cx, &[IoSlice::new(buf)])
     }
@@ -113,7 +112,7 @@ impl AsyncWrite for Corked {
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let out = &mut *lock(&self.out);
-        out.buffer.poll_write(&mut out.half, cx, bufs)
+        out.buffer.poll_write(&mut out.io, cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -128,7 +127,7 @@ impl AsyncWrite for Corked {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let out = &mut *lock(&self.out);
-        out.buffer.poll_shutdown(&mut out.half, cx)
+        out.buffer.poll_shutdown(&mut out.io, cx)
     }
 }
 
@@ -176,14 +175,14 @@ mod tests {
 
     use tokio::{
         io::{AsyncReadExt, AsyncWriteExt},
-        net::TcpListener,
+        net::{TcpListener, TcpStream},
     };
 
     use lattice_proto::gather::{GATHER_LIMIT, PASS_THROUGH};
 
     use super::*;
 
-    async fn pair() -> (Corked, Drain, TcpStream) {
+    async fn pair() -> (Corked<TcpStream>, Drain<TcpStream>, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());

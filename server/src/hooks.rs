@@ -226,13 +226,23 @@ impl HookChain {
         self.hooks.iter().any(|h| h.events.tool_result)
     }
 
-    /// Before a reply's tool calls run: fails when an OnToolResult hook has
-    /// no ready address right now (a `dns:///` name that resolves to
-    /// nothing, or whose every address refused, went away or reports
-    /// NOT_SERVING), since every result would then be thrown away after the
-    /// tools' side effects. `tool_use_id` is the first call's, for the error.
-    pub fn preflight_tool_results(&self, tool_use_id: &str) -> Result<(), ChainError> {
-        let Some(hook) = self.hooks.iter().find(|h| h.events.tool_result && h.peer.none()) else {
+    /// Before a reply's tool calls run: fails when an OnToolResult hook
+    /// can't be reached right now (see [`Peer::unreachable`]: a `dns:///`
+    /// name that resolves to nothing, or whose every address refused, went
+    /// away or reports NOT_SERVING; a single address whose health check
+    /// could not connect), since every result would then be thrown away
+    /// after the tools' side effects. An address not checked yet is checked
+    /// first, within `until`. `tool_use_id` is the first call's, for the
+    /// error.
+    pub async fn preflight_tool_results(&self, tool_use_id: &str, until: Instant) -> Result<(), ChainError> {
+        let mut down = None;
+        for hook in self.hooks.iter().filter(|h| h.events.tool_result) {
+            if hook.peer.unreachable(until).await {
+                down = Some(hook);
+                break;
+            }
+        }
+        let Some(hook) = down else {
             return Ok(());
         };
         let metric = &hook.metrics[HookEvent::ToolResult.index()];

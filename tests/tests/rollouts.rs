@@ -176,3 +176,21 @@ async fn a_hook_that_starts_later_is_waited_for() {
     assert!(agent_state(&lattice).await.ready);
     assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean");
 }
+
+/// A query that arrives before the first health check of its only
+/// OnToolResult hook has ended waits for that check: the hook never came
+/// up (nothing listens on its address), so the query aborts before its
+/// tool runs, and the tool's side effects never happen.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_result_hook_that_never_came_up_stops_the_query_before_its_tool_runs() {
+    let tools = ToolServer::start(vec![ToolDef::new("t", "data")]).await;
+    let port = lattice_tests::reserve();
+    let hook = cfg::hook("h", &format!("http://{}", port.addr), &["tool_result"], 2000);
+    let lattice = Lattice::start_unready(&agent(&tools.url, &hook)).await;
+    // At once: the first health check has not ended yet.
+    let out = lattice.query("x", "go").await;
+    let failure = out.hook_failure();
+    assert_eq!((failure["hook"].as_str(), failure["kind"].as_str()), ("h", "unavailable"), "{failure:?}");
+    assert!(tools.state.called().is_empty(), "the tool ran: {:?}", tools.state.called());
+    drop(port);
+}

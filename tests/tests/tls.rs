@@ -269,3 +269,35 @@ async fn a_rotated_client_certificate_reaches_new_hook_connections() {
     assert_eq!(lattice.query("x", "go").await.expect_ok().text, "model saw clean", "the loaded certificate stays");
     assert!(!lattice_tests::logs().contains(accepted.key_pem.lines().nth(1).unwrap()), "no key in the logs");
 }
+
+/// One transport for plaintext and TLS: a hook whose reply carries a
+/// header list over the limit (a 200 kB status message with a canary)
+/// fails the query the same way over both, and the message reaches no
+/// one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_over_the_header_limit_fails_alike_over_plaintext_and_tls() {
+    use lattice_tests::hook::{Behaviour, HookServer};
+    let secret = canary();
+    let ca = TestCa::new("limits");
+    let leaf = ca.issue("hook.test");
+    let tools = ToolServer::start(vec![ToolDef::new("fetch", "data")]).await;
+    let behaviour = Behaviour {
+        fail: Some(tonic::Code::Internal),
+        fail_message: Some(format!("{secret} {}", "x".repeat(200_000))),
+        ..Default::default()
+    };
+    let mut kinds = Vec::new();
+    for tls in [false, true] {
+        let hook = match tls {
+            false => HookServer::start(behaviour.clone()).await,
+            true => HookServer::start_tls(behaviour.clone(), ca.server_config(&leaf, false)).await,
+        };
+        let extra = if tls { tls_line(Some(&ca.file), None, "hook.test") } else { String::new() };
+        let hooks = cfg::hook("h", &hook.url, &["tool_result"], 2000) + &extra;
+        let lattice = Lattice::start(&agent(&cfg::tools(&tools.url, 2000), &hooks)).await;
+        let out = lattice.query("x", "go").await;
+        kinds.push(out.hook_failure()["kind"].clone());
+        assert_no_leak(&secret, &lattice, &out);
+    }
+    assert_eq!(kinds[0], kinds[1], "plaintext and TLS fail alike");
+}

@@ -47,7 +47,6 @@ use tonic::{
     body::Body,
     codegen::{Bytes, http},
 };
-use tower::ServiceExt;
 use tracing::debug;
 
 use super::{
@@ -254,13 +253,6 @@ impl tower::Service<http::Request<Body>> for Peer {
                         if let Some(why) = down {
                             pool.set_ready(&slot, false, why);
                         }
-                        // A connection going away takes no new request: the
-                        // next attempt on this address connects again.
-                        if let (Some(NotSent::GoAway | NotSent::Closed), Calls::Direct(direct)) =
-                            (not_sent, &slot.calls)
-                        {
-                            direct.forget();
-                        }
                         // A single address is tried again (after a reconnect);
                         // otherwise each address once.
                         let more = !pool.single || attempts < SINGLE_ATTEMPTS;
@@ -298,8 +290,10 @@ async fn send(slot: &Arc<Slot>, request: http::Request<Bytes>) -> Result<http::R
     let _load = Load::on(slot.clone());
     match &slot.calls {
         Calls::Direct(direct) => direct.send(request).await,
+        #[cfg(test)]
         Calls::Channel(channel) => {
             let request = request.map(|body| Body::new(http_body_util::Full::new(body)));
+            use tower::ServiceExt;
             let channel = channel.clone().ready_oneshot().await?;
             Ok(channel.oneshot(request).await?)
         }

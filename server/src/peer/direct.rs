@@ -1,5 +1,6 @@
-//! A plaintext HTTP/2 connection to one `host:port`, driven from the
-//! caller's task.
+//! An HTTP/2 connection to one `host:port`, plaintext or TLS, driven from
+//! the caller's task: the one transport of hook and tool calls and of their
+//! health checks.
 //!
 //! A call opens its stream, queues its headers and its whole body (one
 //! message, already encoded) and reads the response on the task that made
@@ -12,12 +13,16 @@
 //! `Channel` adds a buffer task).
 //!
 //! The connection is made on the first call and made again once it has
-//! closed (the name is resolved at each connect, so behind a ClusterIP
-//! Service a new connection may reach another pod). It is kept alive with
-//! PINGs every 20 s and closed when one is not answered within 10 s. A
-//! failure to connect is reported as [`tonic::ConnectError`], and a request
-//! the connection could not take as [`NotWritten`], so that [`super::call`]
-//! knows that nothing was sent.
+//! closed or gone away (the name is resolved at each connect, so behind a
+//! ClusterIP Service a new connection may reach another pod); over TLS each
+//! connection uses the certificates current when it is made (see
+//! [`super::tls`]). It is kept alive with PINGs every 20 s and closed when
+//! one is not answered within 10 s. A reply's header list is limited to
+//! [`MAX_HEADER_LIST`]. A failure to connect (TCP or the TLS handshake) is
+//! reported as [`tonic::ConnectError`], and a request the connection could
+//! not take as [`NotWritten`], so that [`super::call`] knows that nothing
+//! was sent. The health checks of an address (see [`super::pool`]) use the
+//! same connection as its calls: what they find is what calls would.
 
 use std::{
     pin::Pin,
@@ -31,7 +36,10 @@ use std::{
 
 use h2::{RecvStream, client::SendRequest};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use tokio::net::TcpStream;
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::TcpStream,
+};
 use tonic::{
     body::Body,
     codegen::{Bytes, http},
@@ -46,6 +54,12 @@ const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(20);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The most bytes of header list a reply may carry (its headers, and its
+/// trailers): what hyper's client allows by default, and twice the 8 KiB
+/// gRPC's own implementations accept by default. A reply over it fails the
+/// call (RST_STREAM), the same over plaintext and TLS.
+pub(crate) const MAX_HEADER_LIST: u32 = 16 * 1024;
+
 /// A request the connection did not take: it was closed or closing, so the
 /// request was never written.
 #[derive(Debug, thiserror::Error)]
@@ -58,126 +72,202 @@ pub(crate) struct Direct {
     /// `host:port`.
     authority: http::uri::Authority,
     connect_timeout: Duration,
-    /// The open connection's sender, and whether the connection has ended.
-    open: std::sync::Mutex<Option<(SendRequest<Bytes>, Arc<AtomicBool>)>>,
+    /// TLS: the handshake of each new connection; else plaintext.
+    tls: Option<super::tls::Connect>,
+    /// The open connection.
+    open: std::sync::Mutex<Option<Open>>,
     /// Held while connecting, so that concurrent calls make one connection.
     connecting: tokio::sync::Mutex<()>,
 }
 
+/// One connection: its sender, and whether it has ended (set by its task).
+/// The flag is the connection's identity too: a call forgets the
+/// connection it used, never a newer one.
+#[derive(Debug, Clone)]
+struct Open {
+    sender: SendRequest<Bytes>,
+    ended: Arc<AtomicBool>,
+}
+
+impl Open {
+    fn is(&self, other: &Open) -> bool {
+        Arc::ptr_eq(&self.ended, &other.ended)
+    }
+}
+
 impl Direct {
-    /// A connection to `authority` (`host:port`), made on the first call.
-    pub(crate) fn new(authority: &str, connect_timeout: Duration) -> Result<Arc<Direct>, String> {
+    /// A connection to `authority` (`host:port`), made on the first call;
+    /// over TLS when `tls` is set.
+    pub(crate) fn new(
+        authority: &str,
+        connect_timeout: Duration,
+        tls: Option<super::tls::Connect>,
+    ) -> Result<Arc<Direct>, String> {
         let authority = authority.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
         Ok(Arc::new(Direct {
             authority,
             connect_timeout,
+            tls,
             open: std::sync::Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
         }))
     }
 
-    /// The open connection's sender, if it is still open.
-    fn current(&self) -> Option<SendRequest<Bytes>> {
+    /// The open connection, if it is still open.
+    fn current(&self) -> Option<Open> {
         let open = crate::sync::lock(&self.open);
-        open.as_ref().filter(|(_, ended)| !ended.load(Ordering::Acquire)).map(|(s, _)| s.clone())
+        open.as_ref().filter(|o| !o.ended.load(Ordering::Acquire)).cloned()
     }
 
-    /// A sender: the open connection's, or a new one's.
-    async fn sender(&self) -> Result<SendRequest<Bytes>, BoxError> {
-        if let Some(s) = self.current() {
-            return Ok(s);
+    /// The open connection, or a new one made within `connect_timeout`.
+    async fn connection(&self, connect_timeout: Duration) -> Result<Open, BoxError> {
+        if let Some(open) = self.current() {
+            return Ok(open);
         }
         let _connecting = self.connecting.lock().await;
         // Another call may have connected meanwhile.
-        if let Some(s) = self.current() {
-            return Ok(s);
+        if let Some(open) = self.current() {
+            return Ok(open);
         }
-        let connect = async {
-            let stream = TcpStream::connect(self.authority.as_str()).await?;
-            stream.set_nodelay(true)?;
-            Ok::<_, std::io::Error>(stream)
-        };
         let not_connected = |e: BoxError| -> BoxError { tonic::ConnectError(e).into() };
-        let stream = match tokio::time::timeout(self.connect_timeout, connect).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(not_connected(e.into())),
+        let connect = async {
+            let tcp = TcpStream::connect(self.authority.as_str()).await.map_err(|e| not_connected(e.into()))?;
+            tcp.set_nodelay(true).map_err(|e| not_connected(e.into()))?;
+            match &self.tls {
+                None => start(tcp).await,
+                Some(tls) => start(tls.handshake(tcp).await.map_err(|e| not_connected(e.into()))?).await,
+            }
+            .map_err(|e| not_connected(e.into()))
+        };
+        let open = match tokio::time::timeout(connect_timeout, connect).await {
+            Ok(open) => open?,
             Err(_) => {
                 let e = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out");
                 return Err(not_connected(e.into()));
             }
         };
-        let (io, drain) = crate::cork::cork(stream);
-        let (sender, mut connection) = h2::client::Builder::new()
-            .initial_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .enable_push(false)
-            .handshake::<_, Bytes>(io)
-            .await
-            .map_err(|e| not_connected(e.into()))?;
-        let mut ping = connection.ping_pong();
-        let ended = Arc::new(AtomicBool::new(false));
-        let ended_by_task = ended.clone();
-        tokio::spawn(async move {
-            // Ends when the connection closes (its errors reach the calls)
-            // or stops answering PINGs (dropping it closes the socket).
-            let keepalive = async {
-                let Some(ping) = ping.as_mut() else { return std::future::pending().await };
-                loop {
-                    tokio::time::sleep(KEEPALIVE_EVERY).await;
-                    match tokio::time::timeout(KEEPALIVE_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
-                        Ok(Ok(_)) => {}
-                        _ => return,
-                    }
-                }
-            };
-            // What each poll of the connection wrote leaves in one write.
-            let run = std::future::poll_fn(|cx| {
-                let polled = Pin::new(&mut connection).poll(cx);
-                drain.poll(cx);
-                polled
-            });
-            tokio::select! {
-                _ = run => {}
-                () = keepalive => {}
-            }
-            ended_by_task.store(true, Ordering::Release);
-        });
-        *crate::sync::lock(&self.open) = Some((sender.clone(), ended));
-        Ok(sender)
+        *crate::sync::lock(&self.open) = Some(open.clone());
+        Ok(open)
     }
 
-    /// Stops using the open connection (it is going away): the next call
-    /// makes a new one. Calls in flight on it finish on it.
-    pub(crate) fn forget(&self) {
-        *crate::sync::lock(&self.open) = None;
+    /// Stops using `used` if it is still the open connection (it is going
+    /// away): the next call makes a new one. Calls in flight on it finish
+    /// on it.
+    fn forget(&self, used: &Open) {
+        let mut open = crate::sync::lock(&self.open);
+        if open.as_ref().is_some_and(|o| o.is(used)) {
+            *open = None;
+        }
     }
 
     /// Sends one request (its URI a path; its body the whole message) on
     /// the connection.
     pub(crate) async fn send(&self, request: http::Request<Bytes>) -> Result<http::Response<Body>, BoxError> {
+        self.send_within(request, self.connect_timeout).await
+    }
+
+    /// [`Direct::send`], connecting (if it must) within `connect_timeout`.
+    pub(crate) async fn send_within(
+        &self,
+        request: http::Request<Bytes>,
+        connect_timeout: Duration,
+    ) -> Result<http::Response<Body>, BoxError> {
         let (mut parts, body) = request.into_parts();
         let mut uri = parts.uri.into_parts();
-        uri.scheme = Some(http::uri::Scheme::HTTP);
+        uri.scheme = Some(if self.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP });
         uri.authority = Some(self.authority.clone());
         parts.uri = http::Uri::from_parts(uri)?;
         let request = http::Request::from_parts(parts, ());
-        let sender = self.sender().await?;
-        // Waits while the connection is at the service's stream limit.
-        let mut sender = sender.ready().await.map_err(NotWritten)?;
-        let empty = body.is_empty();
-        let (response, mut stream) = sender.send_request(request, empty).map_err(NotWritten)?;
-        // Queued with the headers; the connection writes both at once.
-        let sent = if empty { Ok(()) } else { stream.send_data(body, true) };
-        // On a multi-threaded runtime the connection may already have
-        // written the headers and taken the service's answer, sent without
-        // reading the body (a router's UNIMPLEMENTED closes the stream):
-        // then that answer is the call's, not the refused body.
-        let response = match (response.await, sent) {
-            (Ok(response), _) => response,
-            (Err(_), Err(refused)) => return Err(refused.into()),
-            (Err(e), Ok(())) => return Err(e.into()),
+        let open = self.connection(connect_timeout.min(self.connect_timeout)).await?;
+        let sent = exchange(open.sender.clone(), request, body).await;
+        // A connection going away takes no new request: the next call
+        // connects again.
+        if let Err(e) = &sent
+            && matches!(
+                super::call::NotSent::of(e.as_ref()),
+                Some(super::call::NotSent::GoAway | super::call::NotSent::Closed)
+            )
+        {
+            self.forget(&open);
+        }
+        sent
+    }
+}
+
+/// Starts an HTTP/2 connection over `io`, and its task.
+async fn start<S>(io: S) -> Result<Open, h2::Error>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (io, drain) = crate::cork::cork(io);
+    let (sender, mut connection) = h2::client::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .enable_push(false)
+        .handshake::<_, Bytes>(io)
+        .await?;
+    let mut ping = connection.ping_pong();
+    let ended = Arc::new(AtomicBool::new(false));
+    let ended_by_task = ended.clone();
+    tokio::spawn(async move {
+        // Ends when the connection closes (its errors reach the calls)
+        // or stops answering PINGs (dropping it closes the socket).
+        let keepalive = async {
+            let Some(ping) = ping.as_mut() else { return std::future::pending().await };
+            loop {
+                tokio::time::sleep(KEEPALIVE_EVERY).await;
+                match tokio::time::timeout(KEEPALIVE_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+                    Ok(Ok(_)) => {}
+                    _ => return,
+                }
+            }
         };
-        Ok(response.map(|recv| Body::new(Received { recv, data_done: false })))
+        // What each poll of the connection wrote leaves in one write.
+        let run = std::future::poll_fn(|cx| {
+            let polled = Pin::new(&mut connection).poll(cx);
+            drain.poll(cx);
+            polled
+        });
+        tokio::select! {
+            _ = run => {}
+            () = keepalive => {}
+        }
+        ended_by_task.store(true, Ordering::Release);
+    });
+    Ok(Open { sender, ended })
+}
+
+/// One request and its response on a connection.
+async fn exchange(
+    sender: SendRequest<Bytes>,
+    request: http::Request<()>,
+    body: Bytes,
+) -> Result<http::Response<Body>, BoxError> {
+    // Waits while the connection is at the service's stream limit.
+    let mut sender = sender.ready().await.map_err(NotWritten)?;
+    let empty = body.is_empty();
+    let (response, mut stream) = sender.send_request(request, empty).map_err(NotWritten)?;
+    // Queued with the headers; the connection writes both at once.
+    let sent = if empty { Ok(()) } else { stream.send_data(body, true) };
+    let response = answer(response.await, sent)?;
+    Ok(response.map(|recv| Body::new(Received { recv, data_done: false })))
+}
+
+/// The outcome of a request from its response and from queueing its body.
+/// On a multi-threaded runtime the connection may already have written the
+/// headers and taken the service's answer before the body was queued: an
+/// answer sent without reading the body (a router's UNIMPLEMENTED closes
+/// the stream) is the call's; and when the stream failed, the stream's own
+/// error (the service's REFUSED_STREAM or GOAWAY, which say the request was
+/// not processed) is the call's, not the local refusal to queue the body
+/// that followed from it.
+fn answer<T>(response: Result<T, h2::Error>, sent: Result<(), h2::Error>) -> Result<T, h2::Error> {
+    match (response, sent) {
+        (Ok(response), _) => Ok(response),
+        (Err(e), _) if e.is_remote() || e.is_go_away() || e.is_io() => Err(e),
+        (Err(e), Ok(())) => Err(e),
+        (Err(_), Err(refused)) => Err(refused),
     }
 }
 
@@ -220,5 +310,63 @@ impl HttpBody for Received {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::call::NotSent;
+
+    /// A loopback HTTP/2 server that refuses every stream (RST_STREAM
+    /// REFUSED_STREAM) as soon as its headers arrive.
+    async fn refusing() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let Ok(mut connection) = h2::server::handshake(tcp).await else { return };
+                    while let Some(Ok((_, mut respond))) = connection.accept().await {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// The service refused the stream before the call queued its body:
+    /// the call fails as refused (never received, so retried), not with
+    /// the local error of queueing a body on a closed stream.
+    #[tokio::test]
+    async fn a_refused_stream_is_the_calls_error_when_its_body_came_too_late() {
+        let direct = Direct::new(&refusing().await.to_string(), Duration::from_secs(5), None).unwrap();
+        let open = direct.connection(Duration::from_secs(5)).await.unwrap();
+        let mut sender = open.sender.ready().await.unwrap();
+        let request = http::Request::post("http://service/x.Y/Z").body(()).unwrap();
+        let (response, mut stream) = sender.send_request(request, false).unwrap();
+        // The refusal arrives first; then the body can't be queued.
+        let response = response.await;
+        let sent = stream.send_data(Bytes::from_static(b"message"), true);
+        assert!(response.is_err() && sent.is_err(), "{response:?} {sent:?}");
+        assert_eq!(NotSent::of(sent.as_ref().unwrap_err()), None, "the local error alone says nothing of the service");
+        let error = answer(response, sent).unwrap_err();
+        assert_eq!(NotSent::of(&error), Some(NotSent::Refused), "{error:?}");
+    }
+
+    /// A late failure on a connection that was already replaced leaves
+    /// the new one in use.
+    #[tokio::test]
+    async fn a_late_failure_forgets_only_its_own_connection() {
+        let direct = Direct::new(&refusing().await.to_string(), Duration::from_secs(5), None).unwrap();
+        let old = direct.connection(Duration::from_secs(5)).await.unwrap();
+        direct.forget(&old);
+        let new = direct.connection(Duration::from_secs(5)).await.unwrap();
+        assert!(!new.is(&old), "a new connection was made");
+        direct.forget(&old);
+        assert!(direct.current().is_some_and(|c| c.is(&new)), "the new connection is still the one in use");
+        direct.forget(&new);
+        assert!(direct.current().is_none());
     }
 }

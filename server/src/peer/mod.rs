@@ -53,9 +53,11 @@ pub use pool::HEALTH_CONNECT_TIMEOUT;
 use pool::{Calls, Pool};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 pub use tls::TlsFiles;
+#[cfg(test)]
+use tonic::transport::Channel;
 use tonic::{
     codegen::http,
-    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
+    transport::{Certificate, ClientTlsConfig, Endpoint, Identity},
 };
 pub(crate) use unary::unary;
 
@@ -172,37 +174,17 @@ impl Checked {
         }
     }
 
-    /// Two lazy connections to `uri`: one for calls (without a buffer task
-    /// when plaintext, see [`direct`]), one for health checks (see
-    /// [`pool::HEALTH_CONNECT_TIMEOUT`]).
-    fn channels(&self, uri: &str, connect_timeout: Duration) -> Result<(Calls, Channel), String> {
-        let calls = match &self.tls {
-            None => {
-                let endpoint = Endpoint::from_shared(uri.to_owned()).map_err(|e| e.to_string())?;
-                let authority = endpoint.uri().authority().ok_or("the endpoint has no host and port")?;
-                Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout)?)
-            }
-            Some(_) => Calls::Channel(self.lazy(uri, connect_timeout)?),
-        };
-        let health = self.lazy(uri, pool::HEALTH_CONNECT_TIMEOUT.min(connect_timeout))?;
-        Ok((calls, health))
-    }
-
-    /// A lazy channel to `uri`; over TLS, each connection is made by
-    /// [`tls::Connect`] with the certificates current then.
-    fn lazy(&self, uri: &str, connect_timeout: Duration) -> Result<Channel, String> {
-        let Some(tls) = &self.tls else {
-            let e = Endpoint::from_shared(uri.to_owned()).map_err(|e| e.to_string())?;
-            return Ok(settings(e, connect_timeout).connect_lazy());
-        };
-        // tonic's own TLS would take an https:// endpoint; ours connects
-        // through the connector, and the requests still say https.
+    /// The calls to `uri` (`scheme://host:port`): one lazy connection,
+    /// over TLS when the target uses it (see [`direct`]).
+    fn calls(&self, uri: &str, connect_timeout: Duration) -> Result<Calls, String> {
         let origin: http::Uri = uri.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
-        let host = origin.host().ok_or("the endpoint has no host")?;
-        let connector = tls.connector(self.dns_host().unwrap_or(host))?;
-        let plain = uri.replacen("https://", "http://", 1);
-        let e = Endpoint::from_shared(plain).map_err(|e| e.to_string())?.origin(origin.clone());
-        Ok(settings(e, connect_timeout).connect_with_connector_lazy(connector))
+        let authority = origin.authority().ok_or("the endpoint has no host and port")?;
+        let tls = match &self.tls {
+            // A `dns:///` target's addresses are verified against its name.
+            Some(tls) => Some(tls.connector(self.dns_host().unwrap_or(authority.host()))?),
+            None => None,
+        };
+        Ok(Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout, tls)?))
     }
 }
 
@@ -301,12 +283,12 @@ impl Peer {
         }
         let pool = match &checked.target {
             Target::Uri(uri) => {
-                let (channel, health) = checked.channels(uri, connect_timeout)?;
+                let calls = checked.calls(uri, connect_timeout)?;
                 let authority = Endpoint::from_shared(uri.clone())
                     .ok()
                     .and_then(|e| e.uri().authority().map(|a| a.to_string()))
                     .unwrap_or_default();
-                Pool::single(endpoint.to_owned(), authority, channel, health, health_every)
+                Pool::single(endpoint.to_owned(), authority, calls, health_every)
             }
             Target::Dns { host, port } => {
                 let host_port = format!("{host}:{port}");
@@ -318,9 +300,10 @@ impl Peer {
 
     /// A peer over one ready channel (an in-process service in tests); its
     /// health is not checked.
-    pub fn over(channel: Channel) -> Peer {
+    #[cfg(test)]
+    pub(crate) fn over(channel: Channel) -> Peer {
         let name = "in-process".to_owned();
-        Peer { pool: Pool::single(name.clone(), name, Calls::Channel(channel.clone()), channel, None), tls: false }
+        Peer { pool: Pool::single(name.clone(), name, Calls::Channel(channel), None), tls: false }
     }
 
     /// A peer over several ready channels, tried in this order (in-process
@@ -338,6 +321,17 @@ impl Peer {
         !self.pool.single && self.pool.ready() == 0
     }
 
+    /// Whether no call can reach the service now, as far as is known, once
+    /// every address has had its first health check (waited for until
+    /// `until`): a `dns:///` target with no ready address, or a single
+    /// address whose last health check (or call) found it down. Before a
+    /// reply's tool calls run, a hook that handles their results is asked
+    /// this: its results could not be delivered through it.
+    pub async fn unreachable(&self, until: tokio::time::Instant) -> bool {
+        self.pool.first_checks(until).await;
+        self.pool.unreachable()
+    }
+
     /// How many addresses are ready now (for a single address: whether its
     /// health check last said it can take calls).
     pub fn ready_addresses(&self) -> usize {
@@ -348,14 +342,6 @@ impl Peer {
     pub fn ready_gauge(&self) -> Arc<AtomicUsize> {
         self.pool.ready_gauge()
     }
-}
-
-fn settings(e: Endpoint, connect_timeout: Duration) -> Endpoint {
-    e.connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
 }
 
 /// A `grpc-timeout` header value for `d`: microseconds while they fit the

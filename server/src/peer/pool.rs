@@ -24,22 +24,28 @@ use std::{
     time::Duration,
 };
 
+use http_body_util::BodyExt as _;
 use tokio::task::AbortHandle;
+#[cfg(test)]
 use tonic::transport::Channel;
+use tonic::{body::Body, codegen::http};
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 use tracing::{debug, info, warn};
 
 use super::{Checked, RESOLVE_EVERY, call::NotSent, direct::Direct};
 
-/// How long a health check's connection may take to connect.
+/// How long a health check may take to connect, when the address's
+/// connection must be made again: an address that no longer answers SYNs
+/// is told apart from a slow service.
 pub const HEALTH_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// How calls reach one address.
 #[derive(Debug, Clone)]
 pub(crate) enum Calls {
-    /// Plaintext: a connection without a buffer task (see [`Direct`]).
+    /// Its connection (see [`Direct`]), plaintext or TLS.
     Direct(Arc<Direct>),
-    /// TLS, or an in-process service: a tonic channel.
+    /// An in-process service in tests: a tonic channel.
+    #[cfg(test)]
     Channel(Channel),
 }
 
@@ -49,11 +55,12 @@ pub(crate) struct Slot {
     /// `ip:port`, or the URL's authority for an `http(s)://` target.
     pub(crate) addr: String,
     pub(crate) calls: Calls,
-    /// A connection of its own for health checks, with a short connect
-    /// timeout: an address that no longer answers SYNs is told apart from a
-    /// slow service.
-    health: Channel,
     ready: AtomicBool,
+    /// Whether anything has judged the address yet: a health check's
+    /// answer, or a call that could not reach it.
+    judged: AtomicBool,
+    /// Whether its first health check has ended, whatever it found.
+    first_checked: AtomicBool,
     /// Calls on this address now (attempts in flight).
     pub(crate) in_flight: AtomicUsize,
     /// The health checker; aborted when the slot goes.
@@ -85,6 +92,8 @@ pub(crate) struct Pool {
     health_every: Option<Duration>,
     /// The resolver task, for `dns:///`; aborted when the pool goes.
     resolver: std::sync::Mutex<Option<AbortHandle>>,
+    /// Told when a slot's first health check ends.
+    checked: tokio::sync::Notify,
 }
 
 impl Drop for Pool {
@@ -105,21 +114,16 @@ impl Pool {
             ready: Arc::new(AtomicUsize::new(0)),
             turn: AtomicUsize::new(0),
             resolver: std::sync::Mutex::new(None),
+            checked: tokio::sync::Notify::new(),
         })
     }
 
     /// A pool of one slot over `calls` (an `http(s)://` target, or an
-    /// in-process channel in tests); its health is checked over `health`
-    /// every `health_every`.
-    pub(crate) fn single(
-        name: String,
-        addr: String,
-        calls: Calls,
-        health: Channel,
-        health_every: Option<Duration>,
-    ) -> Arc<Pool> {
+    /// in-process channel in tests); its health is checked every
+    /// `health_every`.
+    pub(crate) fn single(name: String, addr: String, calls: Calls, health_every: Option<Duration>) -> Arc<Pool> {
         let pool = Pool::new(name, true, health_every);
-        let slot = pool.add(addr, calls, health);
+        let slot = pool.add(addr, calls);
         *crate::sync::write(&pool.slots) = Arc::new(vec![slot]);
         pool.recount();
         pool
@@ -130,10 +134,8 @@ impl Pool {
     #[cfg(test)]
     pub(crate) fn fixed(channels: Vec<Channel>) -> Arc<Pool> {
         let pool = Pool::new("in-process".into(), false, None);
-        let slots = channels
-            .into_iter()
-            .enumerate()
-            .map(|(i, c)| pool.add(format!("in-process-{i}"), Calls::Channel(c.clone()), c));
+        let slots =
+            channels.into_iter().enumerate().map(|(i, c)| pool.add(format!("in-process-{i}"), Calls::Channel(c)));
         *crate::sync::write(&pool.slots) = Arc::new(slots.collect());
         pool.recount();
         pool
@@ -153,15 +155,16 @@ impl Pool {
         pool
     }
 
-    /// A new slot; its health is checked over `health`.
-    fn add(self: &Arc<Self>, addr: String, calls: Calls, health: Channel) -> Arc<Slot> {
+    /// A new slot; its health is checked on its connection.
+    fn add(self: &Arc<Self>, addr: String, calls: Calls) -> Arc<Slot> {
         let slot = Arc::new(Slot {
             addr,
-            health,
             calls,
             // With health checks, ready once the first one (made at once)
             // says so; without, ready until a call says otherwise.
             ready: AtomicBool::new(self.health_every.is_none()),
+            judged: AtomicBool::new(false),
+            first_checked: AtomicBool::new(self.health_every.is_none()),
             in_flight: AtomicUsize::new(0),
             checker: std::sync::Mutex::new(None),
         });
@@ -191,8 +194,37 @@ impl Pool {
         self.ready.store(n, Ordering::Relaxed);
     }
 
+    /// Waits until every address has had its first health check (or
+    /// `until`): what is known of an address that was just resolved, or of
+    /// a service Lattice has not called yet.
+    pub(crate) async fn first_checks(&self, until: tokio::time::Instant) {
+        loop {
+            let notified = self.checked.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.slots().iter().all(|s| s.first_checked.load(Ordering::Acquire)) {
+                return;
+            }
+            if tokio::time::timeout_at(until, notified).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Whether no call can reach the service now, as far as is known: for
+    /// a `dns:///` target, no address is ready; for a single address, the
+    /// last judgement of it (a health check, a call) found it down.
+    pub(crate) fn unreachable(&self) -> bool {
+        let slots = self.slots();
+        match self.single {
+            true => slots.first().is_some_and(|s| s.judged.load(Ordering::Relaxed) && !s.ready.load(Ordering::Relaxed)),
+            false => self.ready() == 0,
+        }
+    }
+
     /// Marks `slot` ready or not, saying why when it changes.
     pub(crate) fn set_ready(&self, slot: &Slot, ready: bool, why: &str) {
+        slot.judged.store(true, Ordering::Relaxed);
         if slot.ready.swap(ready, Ordering::Relaxed) != ready {
             self.recount();
             let ready_now = self.ready();
@@ -229,15 +261,15 @@ impl Pool {
 
     /// Replaces the slots with those for `found`: kept where the address
     /// stays, new (ready once checked) where it is new.
-    fn update(self: &Arc<Self>, found: &[SocketAddr], make: impl Fn(SocketAddr) -> Option<(Calls, Channel)>) {
+    fn update(self: &Arc<Self>, found: &[SocketAddr], make: impl Fn(SocketAddr) -> Option<Calls>) {
         let current = self.slots();
         let mut next = Vec::with_capacity(found.len());
         for addr in found {
             let text = addr.to_string();
             if let Some(kept) = current.iter().find(|s| s.addr == text) {
                 next.push(kept.clone());
-            } else if let Some((calls, health)) = make(*addr) {
-                next.push(self.add(text, calls, health));
+            } else if let Some(calls) = make(*addr) {
+                next.push(self.add(text, calls));
             }
         }
         *crate::sync::write(&self.slots) = Arc::new(next);
@@ -259,7 +291,7 @@ async fn resolve(pool: std::sync::Weak<Pool>, host_port: String, checked: Checke
                 found.dedup();
                 let Some(pool) = pool.upgrade() else { return };
                 if found != last {
-                    pool.update(&found, |addr| checked.channels(&format!("{scheme}://{addr}"), connect_timeout).ok());
+                    pool.update(&found, |addr| checked.calls(&format!("{scheme}://{addr}"), connect_timeout).ok());
                     info!(target_name = %host_port, addresses = found.len(), ready = pool.ready(), "resolved");
                     last = found;
                 }
@@ -281,7 +313,12 @@ async fn check_health(pool: std::sync::Weak<Pool>, slot: std::sync::Weak<Slot>, 
             tokio::time::sleep(every).await;
         }
         let (Some(pool), Some(slot)) = (pool.upgrade(), slot.upgrade()) else { return };
-        let mut client = HealthClient::new(super::guard::Guarded(slot.health.clone()));
+        let direct = match &slot.calls {
+            Calls::Direct(direct) => direct.clone(),
+            #[cfg(test)]
+            Calls::Channel(_) => return,
+        };
+        let mut client = HealthClient::new(super::guard::Guarded(HealthCalls(direct)));
         let mut request = tonic::Request::new(HealthCheckRequest { service: String::new() });
         request.set_timeout(every);
         let answer = tokio::time::timeout(every, client.check(request)).await;
@@ -301,5 +338,34 @@ async fn check_health(pool: std::sync::Weak<Pool>, slot: std::sync::Weak<Slot>, 
             },
             Err(_) => debug!(endpoint = %pool.name, address = %slot.addr, "health check timed out"),
         }
+        if !slot.first_checked.swap(true, Ordering::AcqRel) {
+            pool.checked.notify_waiters();
+        }
+    }
+}
+
+/// The health checks of one address, on its connection: connecting (when
+/// the connection must be made again) within [`HEALTH_CONNECT_TIMEOUT`].
+#[derive(Debug, Clone)]
+struct HealthCalls(Arc<Direct>);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower::Service<http::Request<Body>> for HealthCalls {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let direct = self.0.clone();
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let body = body.collect().await?.to_bytes();
+            direct.send_within(http::Request::from_parts(parts, body), HEALTH_CONNECT_TIMEOUT).await
+        })
     }
 }

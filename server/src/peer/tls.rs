@@ -10,22 +10,17 @@
 pub use crate::config::TlsFiles;
 
 use std::{
-    future::Future,
     path::PathBuf,
-    pin::Pin,
     sync::{Arc, RwLock, Weak},
-    task::{Context, Poll},
     time::Duration,
 };
 
-use hyper_util::rt::TokioIo;
 use rustls::{
     ClientConfig, RootCertStore,
     pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject},
 };
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsConnector, client::TlsStream};
-use tonic::codegen::http::Uri;
 use tracing::{debug, info, warn};
 
 use super::Tls;
@@ -169,10 +164,9 @@ fn build(pems: &Pems) -> Result<ClientConfig, String> {
     Ok(config)
 }
 
-/// Makes one TLS connection per call: TCP (TCP_NODELAY), then the handshake
-/// with the config current now. tonic wraps its errors as
-/// [`tonic::ConnectError`], so a call that fails here was never sent.
-#[derive(Clone)]
+/// The TLS handshake of each new connection to one service, with the
+/// config current at that moment.
+#[derive(Debug, Clone)]
 pub(crate) struct Connect {
     tls: Arc<ClientTls>,
     name: ServerName<'static>,
@@ -181,12 +175,6 @@ pub(crate) struct Connect {
 /// Why a TLS connection was not made.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectFailed {
-    /// The URI has no host or port.
-    #[error("the address has no host and port")]
-    Address,
-    /// TCP.
-    #[error("connecting: {0}")]
-    Tcp(std::io::Error),
     /// The handshake (an untrusted or misnamed certificate, a refused
     /// client certificate).
     #[error("TLS handshake: {0}")]
@@ -196,29 +184,14 @@ pub enum ConnectFailed {
     NotHttp2,
 }
 
-impl tower::Service<Uri> for Connect {
-    type Response = TokioIo<TlsStream<TcpStream>>;
-    type Error = ConnectFailed;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ConnectFailed>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ConnectFailed>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let config = self.tls.config();
-        let name = self.name.clone();
-        Box::pin(async move {
-            let host = uri.host().ok_or(ConnectFailed::Address)?;
-            let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
-            let port = uri.port_u16().ok_or(ConnectFailed::Address)?;
-            let tcp = TcpStream::connect((host.as_str(), port)).await.map_err(ConnectFailed::Tcp)?;
-            let _ = tcp.set_nodelay(true);
-            let stream = TlsConnector::from(config).connect(name, tcp).await.map_err(ConnectFailed::Handshake)?;
-            if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
-                return Err(ConnectFailed::NotHttp2);
-            }
-            Ok(TokioIo::new(stream))
-        })
+impl Connect {
+    /// TLS over `tcp`; the service must choose HTTP/2.
+    pub(crate) async fn handshake(&self, tcp: TcpStream) -> Result<TlsStream<TcpStream>, ConnectFailed> {
+        let connector = TlsConnector::from(self.tls.config());
+        let stream = connector.connect(self.name.clone(), tcp).await.map_err(ConnectFailed::Handshake)?;
+        if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
+            return Err(ConnectFailed::NotHttp2);
+        }
+        Ok(stream)
     }
 }
