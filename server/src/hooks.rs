@@ -247,9 +247,11 @@ impl HookChain {
         };
         let metric = &hook.metrics[HookEvent::ToolResult.index()];
         metric.start(&self.metrics, Instant::now()).finish("unavailable");
-        warn!(agent = %self.agent, hook = %hook.name, "hook has no ready address: query aborted before its tool calls");
-        let subject = HookSubject::ToolUse(tool_use_id.to_owned());
-        Err(self.error(hook, HookEvent::ToolResult, subject, HookFailure::Unavailable).into())
+        let (event, subject) = (HookEvent::ToolResult, HookSubject::ToolUse(tool_use_id.to_owned()));
+        let failure = HookFailure::Unavailable;
+        let cause = hook.peer.down_reason();
+        warn!(agent = %self.agent, hook = %hook.name, endpoint = %hook.endpoint, %event, %subject, kind = failure.kind(), %cause, when = "before the tool calls", "hook failed");
+        Err(self.error(hook, event, subject, failure).into())
     }
 
     fn error(&self, hook: &Hook, event: HookEvent, subject: HookSubject, failure: HookFailure) -> HookError {

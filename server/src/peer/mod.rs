@@ -332,6 +332,12 @@ impl Peer {
         self.pool.unreachable()
     }
 
+    /// Why an address last left the ready set ("could not connect",
+    /// "health NOT_SERVING", …), or "no address" when none was resolved.
+    pub fn down_reason(&self) -> String {
+        self.pool.down_reason()
+    }
+
     /// How many addresses are ready now (for a single address: whether its
     /// health check last said it can take calls).
     pub fn ready_addresses(&self) -> usize {

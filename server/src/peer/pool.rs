@@ -94,6 +94,8 @@ pub(crate) struct Pool {
     resolver: std::sync::Mutex<Option<AbortHandle>>,
     /// Told when a slot's first health check ends.
     checked: tokio::sync::Notify,
+    /// Why an address last left the ready set.
+    last_down: std::sync::Mutex<String>,
 }
 
 impl Drop for Pool {
@@ -115,6 +117,7 @@ impl Pool {
             turn: AtomicUsize::new(0),
             resolver: std::sync::Mutex::new(None),
             checked: tokio::sync::Notify::new(),
+            last_down: std::sync::Mutex::new(String::new()),
         })
     }
 
@@ -222,9 +225,22 @@ impl Pool {
         }
     }
 
+    /// Why an address last left the ready set.
+    pub(crate) fn down_reason(&self) -> String {
+        let why = crate::sync::lock(&self.last_down).clone();
+        match why.is_empty() {
+            true if self.slots().is_empty() => "no address".to_owned(),
+            true => "not ready".to_owned(),
+            false => why,
+        }
+    }
+
     /// Marks `slot` ready or not, saying why when it changes.
     pub(crate) fn set_ready(&self, slot: &Slot, ready: bool, why: &str) {
         slot.judged.store(true, Ordering::Relaxed);
+        if !ready {
+            why.clone_into(&mut crate::sync::lock(&self.last_down));
+        }
         if slot.ready.swap(ready, Ordering::Relaxed) != ready {
             self.recount();
             let ready_now = self.ready();
