@@ -40,7 +40,6 @@
 #![warn(missing_docs)]
 
 mod calls;
-mod replies;
 mod serve;
 
 pub use calls::*;

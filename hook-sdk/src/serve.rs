@@ -196,6 +196,7 @@ pub struct Server<H> {
     tls: Option<Tls>,
     drain: Duration,
     max_message_bytes: usize,
+    gather_writes: bool,
 }
 
 impl<H: Hook> Server<H> {
@@ -203,7 +204,7 @@ impl<H: Hook> Server<H> {
     /// [`DRAIN_ENV`] (default [`DEFAULT_DRAIN`]) and the message limit of
     /// [`MAX_MESSAGE_BYTES_ENV`] (default [`DEFAULT_MAX_MESSAGE_BYTES`]).
     pub fn new(hook: H) -> Self {
-        Server { hook, tls: None, drain: drain_from_env(), max_message_bytes: max_message_bytes() }
+        Server { hook, tls: None, drain: drain_from_env(), max_message_bytes: max_message_bytes(), gather_writes: true }
     }
 
     /// Serves TLS (see [`Tls`]).
@@ -225,6 +226,16 @@ impl<H: Hook> Server<H> {
         self
     }
 
+    /// Whether a plaintext reply leaves in one write (on by default). h2
+    /// writes a reply whose message is 256 bytes or more in two writes;
+    /// gathered, the reply costs Lattice one wake-up instead of two. This
+    /// relies on how h2 writes; turn it off if an h2 release ever serves
+    /// replies wrongly through it.
+    pub fn gather_writes(mut self, on: bool) -> Self {
+        self.gather_writes = on;
+        self
+    }
+
     /// Binds `addr` and serves until SIGTERM or Ctrl-C, then drains.
     pub async fn serve(self, addr: SocketAddr) -> Result<(), ServeError> {
         let signal = shutdown_signal();
@@ -240,7 +251,7 @@ impl<H: Hook> Server<H> {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), ServeError> {
-        let Server { hook, tls, drain, max_message_bytes } = self;
+        let Server { hook, tls, drain, max_message_bytes, gather_writes } = self;
         let (health, health_svc) = tonic_health::server::health_reporter();
         health.set_serving::<HookServiceServer<HookServer<Chain>>>().await;
         health.set_service_status("", tonic_health::ServingStatus::Serving).await;
@@ -274,43 +285,140 @@ impl<H: Hook> Server<H> {
             .add_service(v1)
             .add_service(v1alpha)
             .add_service(HookServer::new(hook).into_service_with_limit(max_message_bytes));
-        let served = match tls {
-            // tonic wraps each connection in TLS itself: its bytes are records.
-            Some(_) => router.serve_with_incoming_shutdown(incoming(listener), drained).await,
-            // A reply in one write (see `replies`).
-            None => {
+        let served = match (tls, gather_writes) {
+            // A reply in one write (see `lattice_net`). Not under TLS:
+            // tonic wraps each connection in TLS itself, and its bytes are
+            // records.
+            (None, true) => {
                 use tokio_stream::StreamExt as _;
-                let incoming = incoming(listener).map(|accepted| accepted.map(replies::Replies::new));
+                let incoming = incoming(listener).map(|accepted| accepted.map(lattice_net::Replies::new));
                 router.serve_with_incoming_shutdown(incoming, drained).await
             }
+            _ => router.serve_with_incoming_shutdown(incoming(listener), drained).await,
         };
         served.map_err(ServeError::Transport)
     }
 }
 
-/// Accepted connections with TCP_NODELAY: without it, small gRPC frames
-/// wait for delayed ACKs (~40 ms a round trip), and a hook sits on the
-/// critical path of every model request and tool result.
-pub(crate) fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
-}
+pub(crate) use lattice_net::incoming;
+/// Resolves on SIGTERM or Ctrl-C (see `lattice_net::shutdown_signal`).
+pub use lattice_net::shutdown_signal;
 
-/// Resolves on SIGTERM or Ctrl-C. The SIGTERM handler is installed when
-/// this is called, not when the future is first polled: call it before the
-/// port opens, so that a SIGTERM that comes right after is not the default
-/// action (an abrupt exit).
-pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
-    #[cfg(unix)]
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    async move {
-        #[cfg(unix)]
-        if let Some(mut term) = term {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            return;
+#[cfg(test)]
+mod tests {
+    use std::{
+        io,
+        pin::Pin,
+        sync::Arc,
+        task::{Context, Poll, ready},
+    };
+
+    use lattice_net::Replies;
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    /// Counts the writes that reach a socket.
+    struct Counted {
+        io: tokio::net::TcpStream,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AsyncRead for Counted {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_read(cx, buf)
         }
-        let _ = tokio::signal::ctrl_c().await;
+    }
+
+    impl AsyncWrite for Counted {
+        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            let written = ready!(Pin::new(&mut self.io).poll_write(cx, buf));
+            self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Poll::Ready(written)
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_flush(cx)
+        }
+
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_shutdown(cx)
+        }
+    }
+
+    impl tonic::transport::server::Connected for Counted {
+        type ConnectInfo = ();
+
+        fn connect_info(&self) {}
+    }
+
+    /// Replies with the tool result it was given.
+    struct Echo;
+
+    #[crate::async_trait]
+    impl crate::Hook for Echo {
+        async fn on_tool_result(
+            &self,
+            call: crate::ToolResultCall,
+        ) -> Result<Option<crate::ToolResultBlock>, tonic::Status> {
+            let text = call.text();
+            Ok(Some(call.replace_text(text)))
+        }
+    }
+
+    /// Served by tonic over [`Replies`], replies of every size arrive whole,
+    /// and a unary reply with a 1 KiB message is one write (h2 alone makes
+    /// it two: headers and message, then trailers).
+    #[tokio::test]
+    async fn served_replies_arrive_whole_in_one_write_each() -> Result<(), Box<dyn std::error::Error>> {
+        use lattice_proto::{
+            agent::v1::{TextBlock, ToolResultBlock},
+            hooks::v1::{OnToolResultRequest, hook_service_client::HookServiceClient},
+        };
+        use tokio_stream::StreamExt as _;
+
+        const LIMIT: usize = 64 << 20;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = writes.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |accepted| {
+            let io = accepted?;
+            io.set_nodelay(true)?;
+            Ok::<_, io::Error>(Replies::new(Counted { io, writes: counter.clone() }))
+        });
+        let served = tonic::transport::Server::builder()
+            .add_service(crate::HookServer::new(Echo).into_service_with_limit(LIMIT))
+            .serve_with_incoming(incoming);
+        tokio::spawn(served);
+        let mut client = HookServiceClient::connect(format!("http://{addr}"))
+            .await?
+            .max_decoding_message_size(LIMIT)
+            .max_encoding_message_size(LIMIT);
+        let request = |size: usize| OnToolResultRequest {
+            tool_use_id: "t".into(),
+            result: Some(ToolResultBlock {
+                tool_use_id: "t".into(),
+                content: vec![TextBlock { text: "x".repeat(size) }],
+                is_error: false,
+            }),
+            ..Default::default()
+        };
+        let mut call = async |size: usize| -> Result<usize, Box<dyn std::error::Error>> {
+            let reply = tokio::time::timeout(std::time::Duration::from_secs(10), client.on_tool_result(request(size)))
+                .await??
+                .into_inner();
+            Ok(reply.result.map_or(0, |r| r.content.iter().map(|b| b.text.len()).sum()))
+        };
+        for size in [0, 10, 255, 256, 300, 1024, 16 * 1024, 20 * 1024, 1 << 20, 5 << 20] {
+            assert_eq!(call(size).await?, size, "the reply to {size} bytes");
+        }
+        let calls = 20;
+        let before = writes.load(std::sync::atomic::Ordering::Relaxed);
+        for _ in 0..calls {
+            assert_eq!(call(1024).await?, 1024);
+        }
+        let written = writes.load(std::sync::atomic::Ordering::Relaxed) - before;
+        // A window update may take a write of its own.
+        assert!((calls..=calls + 2).contains(&written), "{written} writes for {calls} replies");
+        Ok(())
     }
 }

@@ -5,10 +5,8 @@
 //! - [`tools::v1`]: `lattice.tools.v1.ToolService`, implemented by tool services.
 //!
 //! [`codec`] is the services' codec: prost's, with a request that does not
-//! decode answered INVALID_ARGUMENT. [`gather`] holds the small writes of an
-//! HTTP/2 connection so that they leave together (Lattice's connections and
-//! the hook SDK's use it). With the `logs` feature, the module `logs` holds the
-//! rules their log lines share.
+//! decode answered INVALID_ARGUMENT. With the `logs` feature, the module
+//! `logs` holds the rules Lattice's and the hook SDK's log lines share.
 //!
 //! [`FILE_DESCRIPTOR_SET`] holds the encoded descriptors of all three, for
 //! server reflection; [`ERROR_DETAILS_DESCRIPTOR_SET`] those of the standard
@@ -16,7 +14,6 @@
 #![allow(missing_docs, clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
 pub mod codec;
-pub mod gather;
 #[cfg(feature = "logs")]
 pub mod logs;
 

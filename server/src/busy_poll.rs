@@ -23,7 +23,7 @@
 //! queries and tail latency at one.
 
 use std::sync::{
-    OnceLock,
+    Arc,
     atomic::{AtomicU64, AtomicUsize, Ordering},
 };
 
@@ -43,27 +43,40 @@ pub struct Poller {
     polls: AtomicU64,
 }
 
-static POLLER: OnceLock<(Poller, Duration)> = OnceLock::new();
+/// The agent runtime's busy poller (see the module docs): it polls while
+/// a call on one of its peers is in flight, and stops when dropped.
+#[derive(Debug)]
+pub struct BusyPoll {
+    poller: Arc<Poller>,
+    budget: Duration,
+    task: tokio::task::AbortHandle,
+}
 
-/// Starts the process's poller on the current runtime, polling for at most
-/// `budget` at a time; from then on [`call`] marks calls. Once a process.
-pub fn start(budget: Duration) {
-    if POLLER.set((Poller::default(), budget)).is_ok()
-        && let Some((poller, budget)) = POLLER.get()
-    {
-        tokio::spawn(poller.run(*budget));
+impl BusyPoll {
+    /// Starts polling on the current runtime, for at most `budget` at a
+    /// time.
+    pub fn start(budget: Duration) -> BusyPoll {
+        let poller = Arc::new(Poller::default());
+        let running = poller.clone();
+        let task = tokio::spawn(async move { running.run(budget).await }).abort_handle();
+        BusyPoll { poller, budget, task }
+    }
+
+    /// What calls mark themselves in flight on.
+    pub fn poller(&self) -> Arc<Poller> {
+        self.poller.clone()
+    }
+
+    /// How long it polls at a time.
+    pub fn budget(&self) -> Duration {
+        self.budget
     }
 }
 
-/// The budget of the process's poller; `None`: it does not poll.
-pub fn budget() -> Option<Duration> {
-    POLLER.get().map(|(_, budget)| *budget)
-}
-
-/// Marks a call in flight until the guard is dropped; `None` (nothing to
-/// mark) unless the process polls.
-pub fn call() -> Option<InFlight<'static>> {
-    POLLER.get().map(|(poller, _)| poller.call())
+impl Drop for BusyPoll {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl Poller {

@@ -173,7 +173,7 @@ pub async fn run(options: &Options) -> Result<Report, String> {
     let mut checks = Vec::new();
     // Each check gets a connection of its own, so that one that broke its
     // connection (a deadline, a reset) doesn't fail the next.
-    let connect = || Peer::connect(&options.endpoint, options.tls.as_ref(), options.deadline, None);
+    let connect = || Peer::connect(&options.endpoint, options.tls.as_ref(), options.deadline, &Default::default());
     connect()?;
     let hooks = || connect().map(|p| HookServiceClient::new(p).max_decoding_message_size(options.max_message_bytes));
     checks.push(timed("health", health(connect()?)).await);

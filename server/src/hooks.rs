@@ -116,7 +116,7 @@ impl HookChain {
         agent: &str,
         defs: &[HookDef],
         max_message_bytes: usize,
-        health_every: Option<Duration>,
+        transport: &crate::peer::Transport,
         metrics: Arc<Metrics>,
     ) -> Result<Self, (String, String)> {
         let mut peers = Vec::new();
@@ -124,7 +124,7 @@ impl HookChain {
             // Half the deadline to connect: an address that no longer
             // answers (a pod gone without a reset) then leaves time to send
             // the call to another one.
-            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline / 2, health_every)
+            let peer = Peer::connect(&d.endpoint, d.tls.as_ref(), d.deadline / 2, transport)
                 .map_err(|e| (d.name.clone(), e))?;
             peers.push((d.clone(), peer));
         }

@@ -10,9 +10,11 @@
 //!   meet); [`config`] (the config file → a validated, typed config; the
 //!   checks that read files are injected, see [`CHECKS`]); [`grpc`] (status
 //!   code names); [`metrics`], [`telemetry`].
-//! - **transport**: [`peer`] (channels to tool and hook services, pools,
-//!   health, the retry rule); [`busy_poll`] (`server.busy_poll_us`);
-//!   [`tls`] (the API listener's TLS material, reloaded).
+//! - **transport**: [`peer`] (one HTTP/2 connection per tool or hook
+//!   address, plaintext or TLS; pools, health, the retry rule); [`busy_poll`]
+//!   (`server.busy_poll_us`, a poller the agent runtime owns); [`tls`] (the
+//!   API listener's TLS material, reloaded). Below them, outside this
+//!   crate, `lattice_net` (gathered writes, `server.gather_writes`).
 //! - **runtime**: [`agent`] (the loop), [`hooks`] (the chain: order,
 //!   deadlines, fail-closed), [`tools`], [`model`] (the trait and its
 //!   providers), [`session`] (stored conversations, the lease), [`trace`],
@@ -32,7 +34,6 @@ pub mod busy_poll;
 pub mod client;
 pub mod config;
 pub mod convert;
-mod cork;
 pub mod domain;
 pub mod dryrun;
 pub mod events;
@@ -155,6 +156,7 @@ pub async fn run(
     };
     let tls = config.server.tls.as_ref().map(tls::ServerTls::watched).transpose().map_err(ServeError::Tls)?;
     let runtime = Arc::new(Runtime::build(&config).await?);
+    let busy_poll_us = runtime.busy_poll_budget().map_or(0, |d| d.as_micros() as u64);
     let metrics = runtime.metrics.clone();
     let max = config.server.max_message_bytes;
     let sessions = &config.sessions;
@@ -220,7 +222,6 @@ pub async fn run(
     };
     let tls_on = config.server.tls.is_some();
     let addr = shown(addr);
-    let busy_poll_us = busy_poll::budget().map_or(0, |d| d.as_micros() as u64);
     info!(%addr, agents = config.agents.len(), worker_threads, runtime, busy_poll_us, tls = tls_on, "serving");
     let drain = config.server.drain;
     let shutdown = async move {
@@ -251,14 +252,17 @@ pub async fn run(
     let router = grpc.routes().into_axum_router();
     let server = tonic::transport::Server::builder().add_routes(router.into());
     // The events of concurrent queries on one client connection share
-    // their writes (see `cork`).
+    // their writes (see `lattice_net`), unless `server.gather_writes` is
+    // off.
     use tokio_stream::StreamExt as _;
-    fn gathered<T>(accepted: std::io::Result<T>) -> std::io::Result<cork::Gathered<T>> {
-        accepted.map(cork::Gathered::new)
+    fn gathered<T>(accepted: std::io::Result<T>) -> std::io::Result<lattice_net::Events<T>> {
+        accepted.map(lattice_net::Events::new)
     }
-    let served = match tls {
-        Some(tls) => server.serve_with_incoming_shutdown(tls.incoming(listener).map(gathered), shutdown).await,
-        None => server.serve_with_incoming_shutdown(incoming(listener).map(gathered), shutdown).await,
+    let served = match (tls, config.server.gather_writes) {
+        (Some(tls), true) => server.serve_with_incoming_shutdown(tls.incoming(listener).map(gathered), shutdown).await,
+        (Some(tls), false) => server.serve_with_incoming_shutdown(tls.incoming(listener), shutdown).await,
+        (None, true) => server.serve_with_incoming_shutdown(incoming(listener).map(gathered), shutdown).await,
+        (None, false) => server.serve_with_incoming_shutdown(incoming(listener), shutdown).await,
     };
     stopped.cancel();
     served?;
@@ -271,29 +275,4 @@ fn shown(addr: Option<std::net::SocketAddr>) -> String {
     addr.map(|a| a.to_string()).unwrap_or_default()
 }
 
-/// Accepted connections with TCP_NODELAY. Serving from our own listener
-/// bypasses tonic's socket setup, and with Nagle's algorithm on, small gRPC
-/// frames wait for delayed ACKs: ~40 ms a round trip on loopback.
-pub fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
-}
-
-/// Resolves on SIGTERM or Ctrl-C. The SIGTERM handler is installed when
-/// this is called, not when the future is first polled: call it before the
-/// port opens, so that a SIGTERM that comes right after is not the default
-/// action (an abrupt exit).
-pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
-    #[cfg(unix)]
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    async move {
-        #[cfg(unix)]
-        if let Some(mut term) = term {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            return;
-        }
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
+pub use lattice_net::{incoming, shutdown_signal};

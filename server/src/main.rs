@@ -400,9 +400,6 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 }
             }
             huge_pages_off();
-            if let Some(budget) = cfg.server.busy_poll {
-                lattice_server::busy_poll::start(budget);
-            }
             let signal = shutdown_signal();
             let listener = match TcpListener::bind(addr).await {
                 Ok(l) => l,

@@ -172,18 +172,19 @@ impl AgentTools {
     /// Connects (lazily) to the agent's tool services and learns their tools:
     /// declared in config, or discovered with ListTools, retried until the
     /// discovery timeout so that tool services may start after Lattice.
-    pub async fn build(def: &AgentDef, settings: &ServerSettings) -> Result<Self, ToolSetupError> {
+    pub async fn build(
+        def: &AgentDef,
+        settings: &ServerSettings,
+        transport: &crate::peer::Transport,
+    ) -> Result<Self, ToolSetupError> {
         let mut tools = AgentTools::default();
         for source in &def.tool_sources {
             // Half the call's deadline to connect (see `HookChain::new`).
             let connect_timeout = source.deadline / 2;
             let peer =
-                Peer::connect(&source.endpoint, source.tls.as_ref(), connect_timeout, settings.peer_health_check)
-                    .map_err(|reason| ToolSetupError::Endpoint {
-                        agent: def.name.clone(),
-                        endpoint: source.endpoint.clone(),
-                        reason,
-                    })?;
+                Peer::connect(&source.endpoint, source.tls.as_ref(), connect_timeout, transport).map_err(|reason| {
+                    ToolSetupError::Endpoint { agent: def.name.clone(), endpoint: source.endpoint.clone(), reason }
+                })?;
             let client = pb::tool_service_client::ToolServiceClient::new(peer.clone())
                 .max_decoding_message_size(settings.tool_max_message_bytes)
                 .max_encoding_message_size(settings.tool_max_message_bytes);

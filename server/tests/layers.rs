@@ -19,7 +19,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("core", &["grpc", "domain", "convert", "config", "metrics", "telemetry", "reload", "sync"]),
     // Reaching peers: one HTTP/2 client for hooks and tools, its batching
     // and polling, TLS material.
-    ("transport", &["cork", "busy_poll", "peer", "tls"]),
+    ("transport", &["busy_poll", "peer", "tls"]),
     // Running an agent: the loop, the hook chain, tools, models, sessions,
     // traces, the audit record, the events a query streams.
     ("runtime", &["scope", "audit", "events", "hooks", "tools", "model", "session", "trace", "agent"]),

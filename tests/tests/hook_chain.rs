@@ -57,6 +57,28 @@ async fn three_hooks_fold_in_registered_order() {
     assert!(at(&a) < at(&b) && at(&b) < at(&c));
 }
 
+/// With `server.gather_writes = false` (h2 writes as it makes the frames,
+/// on the API, hook and tool connections) the chain works the same, small
+/// and large values alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_chain_works_alike_with_writes_not_gathered() {
+    let large = "y".repeat(200_000);
+    let tools = ToolServer::start(vec![ToolDef::new("t", "data"), ToolDef::new("big", &large)]).await;
+    let (a, b) = (HookServer::start(appender("[A]")).await, HookServer::start(appender("[B]")).await);
+    let both = ["tool_result", "model_request"];
+    let config = "[server]\ngather_writes = false\n".to_owned()
+        + &cfg::agent("x", "system_prompt = \"sys\"")
+        + &cfg::turn("go", &["t", "big"])
+        + &cfg::turn("model saw {{system}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &cfg::hook("a", &a.url, &both, 1000)
+        + &cfg::hook("b", &b.url, &both, 1000);
+    let lattice = Lattice::start(&config).await;
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.expect_ok().text, "model saw sys[A][B]");
+    assert_eq!(out.tool_texts(), vec!["data[A][B]".to_owned(), format!("{large}[A][B]")]);
+}
+
 /// An unset reply keeps the value; a set one replaces it; a replacement may
 /// flip is_error either way.
 #[tokio::test(flavor = "multi_thread")]

@@ -2,6 +2,7 @@
 //! in the background when their services are late), and their metrics.
 
 use super::*;
+use crate::{busy_poll::BusyPoll, peer::Transport};
 
 /// An agent ready to run.
 #[derive(Debug)]
@@ -126,11 +127,15 @@ impl AgentMetrics {
 /// Discovers an agent's tools in the background until its services answer,
 /// with backoff (the tool services may start after Lattice, as they do in
 /// Kubernetes). Ends when the agent is dropped (the server stopped).
-pub(super) async fn discover_later(agent: std::sync::Weak<AgentRuntime>, settings: ServerSettings) {
+pub(super) async fn discover_later(
+    agent: std::sync::Weak<AgentRuntime>,
+    settings: ServerSettings,
+    transport: Transport,
+) {
     let mut wait = Duration::from_millis(250);
     loop {
         let Some(runtime) = agent.upgrade() else { return };
-        match AgentTools::build(&runtime.def, &settings).await {
+        match AgentTools::build(&runtime.def, &settings, &transport).await {
             Ok(tools) => {
                 info!(agent = %runtime.def.name, tools = tools.specs.len(), "agent ready: its tools answered");
                 runtime.set_tools(tools);
@@ -180,6 +185,10 @@ pub struct Runtime {
     pub(super) tracer: Tracer,
     /// The server's metrics.
     pub metrics: Arc<Metrics>,
+    /// How every peer's connections behave (the busy poller among them).
+    transport: Transport,
+    /// The busy poller, while the runtime lives (`server.busy_poll_us`).
+    busy_poll: Option<BusyPoll>,
 }
 
 impl Runtime {
@@ -193,6 +202,12 @@ impl Runtime {
         let mut order = Vec::new();
         let metrics = Arc::new(Metrics::default());
         let s = &config.server;
+        let busy_poll = s.busy_poll.map(BusyPoll::start);
+        let transport = Transport {
+            health_every: s.peer_health_check,
+            gather_writes: s.gather_writes,
+            poller: busy_poll.as_ref().map(BusyPoll::poller),
+        };
         let tracer = match &s.trace_dir {
             Some(dir) => Tracer::start(crate::trace::TraceSettings {
                 dir: dir.clone(),
@@ -208,19 +223,14 @@ impl Runtime {
         }
         for def in &config.agents {
             let server = &config.server;
-            let hooks = HookChain::new(
-                &def.name,
-                &def.hooks,
-                server.hook_max_message_bytes,
-                server.peer_health_check,
-                metrics.clone(),
-            )
-            .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
+            let hooks =
+                HookChain::new(&def.name, &def.hooks, server.hook_max_message_bytes, &transport, metrics.clone())
+                    .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
             // Start-up waits for the tool services up to
             // tool_discovery_timeout; one that hasn't answered by then no
             // longer stops the server: the agent is discovered later.
             let mut tools = None;
-            let discover_later_too = match AgentTools::build(def, &config.server).await {
+            let discover_later_too = match AgentTools::build(def, &config.server, &transport).await {
                 Ok(found) => {
                     tools = Some(found);
                     false
@@ -245,12 +255,22 @@ impl Runtime {
                 runtime.set_tools(tools);
             }
             if discover_later_too {
-                tokio::spawn(discover_later(Arc::downgrade(&runtime), config.server.clone()));
+                tokio::spawn(discover_later(Arc::downgrade(&runtime), config.server.clone(), transport.clone()));
             }
             order.push(def.name.clone());
             agents.insert(def.name.clone(), runtime);
         }
-        Ok(Self { agents, order, settings: config.server.clone(), tracer, metrics })
+        Ok(Self { agents, order, settings: config.server.clone(), tracer, metrics, transport, busy_poll })
+    }
+
+    /// How long the busy poller polls at a time, if the runtime polls.
+    pub fn busy_poll_budget(&self) -> Option<Duration> {
+        self.busy_poll.as_ref().map(BusyPoll::budget)
+    }
+
+    /// How the runtime's peers' connections behave.
+    pub fn transport(&self) -> &Transport {
+        &self.transport
     }
 
     /// Whether every agent is ready: its tools discovered, and each of its

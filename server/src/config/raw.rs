@@ -76,6 +76,7 @@ pub(super) struct RawServer {
     pub(super) peer_health_check_ms: Option<u64>,
     pub(super) worker_threads: Option<usize>,
     pub(super) busy_poll_us: Option<u64>,
+    pub(super) gather_writes: Option<bool>,
     pub(super) trace_dir: Option<PathBuf>,
     pub(super) trace_queue_events: Option<usize>,
     pub(super) trace_max_file_bytes: Option<u64>,

@@ -141,6 +141,10 @@ pub struct ServerSettings {
     /// while a hook or tool call is in flight (`server.busy_poll_us`, see
     /// [`crate::busy_poll`]); `None`: it sleeps.
     pub busy_poll: Option<Duration>,
+    /// Whether the small writes of Lattice's connections (API, hooks,
+    /// tools) are gathered into fewer (`server.gather_writes`, see
+    /// `lattice_net`).
+    pub gather_writes: bool,
     /// Who may call (`[server.auth]`).
     pub auth: AuthSettings,
     /// Per-principal limits (`[server.limits]`).

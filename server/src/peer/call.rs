@@ -232,7 +232,7 @@ impl tower::Service<http::Request<Body>> for Peer {
                     attempt.headers_mut().insert(GRPC_TIMEOUT, super::grpc_timeout(left));
                 }
                 // Polled for, if the process busy-polls, until answered.
-                let in_flight = crate::busy_poll::call();
+                let in_flight = pool.poller.as_ref().map(|p| p.call());
                 let sent = send(&slot, attempt).await;
                 drop(in_flight);
                 match sent {

@@ -5,7 +5,7 @@
 //! A call opens its stream, queues its headers and its whole body (one
 //! message, already encoded) and reads the response on the task that made
 //! it; only the connection's own task touches the socket, and it writes
-//! everything queued since it last ran in one write (see [`crate::cork`]):
+//! everything queued since it last ran in one write (see `lattice_net`):
 //! the calls of concurrent queries to one service share their writes. No
 //! task is spawned and no channel is crossed per call (a hyper client
 //! connection hands each request to the connection task over a channel,
@@ -74,6 +74,8 @@ pub(crate) struct Direct {
     connect_timeout: Duration,
     /// TLS: the handshake of each new connection; else plaintext.
     tls: Option<super::tls::Connect>,
+    /// Whether the connection's writes are gathered (see `lattice_net`).
+    gather_writes: bool,
     /// The open connection.
     open: std::sync::Mutex<Option<Open>>,
     /// Held while connecting, so that concurrent calls make one connection.
@@ -102,12 +104,14 @@ impl Direct {
         authority: &str,
         connect_timeout: Duration,
         tls: Option<super::tls::Connect>,
+        gather_writes: bool,
     ) -> Result<Arc<Direct>, String> {
         let authority = authority.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
         Ok(Arc::new(Direct {
             authority,
             connect_timeout,
             tls,
+            gather_writes,
             open: std::sync::Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
         }))
@@ -133,9 +137,10 @@ impl Direct {
         let connect = async {
             let tcp = TcpStream::connect(self.authority.as_str()).await.map_err(|e| not_connected(e.into()))?;
             tcp.set_nodelay(true).map_err(|e| not_connected(e.into()))?;
+            let gather = self.gather_writes;
             match &self.tls {
-                None => start(tcp).await,
-                Some(tls) => start(tls.handshake(tcp).await.map_err(|e| not_connected(e.into()))?).await,
+                None => start(tcp, gather).await,
+                Some(tls) => start(tls.handshake(tcp).await.map_err(|e| not_connected(e.into()))?, gather).await,
             }
             .map_err(|e| not_connected(e.into()))
         };
@@ -194,12 +199,29 @@ impl Direct {
     }
 }
 
-/// Starts an HTTP/2 connection over `io`, and its task.
-async fn start<S>(io: S) -> Result<Open, h2::Error>
+/// Starts an HTTP/2 connection over `io`, its writes gathered or not, and
+/// its task.
+async fn start<S>(io: S, gather: bool) -> Result<Open, h2::Error>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (io, drain) = crate::cork::cork(io);
+    if gather {
+        let (io, drain) = lattice_net::cork(io);
+        // What each poll of the connection wrote leaves in one write.
+        return drive(io, move |cx| drain.poll(cx)).await;
+    }
+    drive(io, |_| {}).await
+}
+
+/// The HTTP/2 handshake over `io`, and the connection's task, which calls
+/// `after_poll` after each poll of the connection.
+async fn drive<S>(
+    io: S,
+    mut after_poll: impl FnMut(&mut std::task::Context<'_>) + Send + 'static,
+) -> Result<Open, h2::Error>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let (sender, mut connection) = h2::client::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
@@ -223,10 +245,9 @@ where
                 }
             }
         };
-        // What each poll of the connection wrote leaves in one write.
         let run = std::future::poll_fn(|cx| {
             let polled = Pin::new(&mut connection).poll(cx);
-            drain.poll(cx);
+            after_poll(cx);
             polled
         });
         tokio::select! {
@@ -341,7 +362,7 @@ mod tests {
     /// the local error of queueing a body on a closed stream.
     #[tokio::test]
     async fn a_refused_stream_is_the_calls_error_when_its_body_came_too_late() {
-        let direct = Direct::new(&refusing().await.to_string(), Duration::from_secs(5), None).unwrap();
+        let direct = Direct::new(&refusing().await.to_string(), Duration::from_secs(5), None, true).unwrap();
         let open = direct.connection(Duration::from_secs(5)).await.unwrap();
         let mut sender = open.sender.ready().await.unwrap();
         let request = http::Request::post("http://service/x.Y/Z").body(()).unwrap();
@@ -359,7 +380,7 @@ mod tests {
     /// the new one in use.
     #[tokio::test]
     async fn a_late_failure_forgets_only_its_own_connection() {
-        let direct = Direct::new(&refusing().await.to_string(), Duration::from_secs(5), None).unwrap();
+        let direct = Direct::new(&refusing().await.to_string(), Duration::from_secs(5), None, true).unwrap();
         let old = direct.connection(Duration::from_secs(5)).await.unwrap();
         direct.forget(&old);
         let new = direct.connection(Duration::from_secs(5)).await.unwrap();

@@ -64,6 +64,28 @@ pub(crate) use unary::unary;
 /// How often a `dns:///` name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
+/// How the connections to every tool and hook service behave, beyond
+/// their endpoints: one for the agent runtime.
+#[derive(Debug, Clone)]
+pub struct Transport {
+    /// How often each address's health is checked
+    /// (`server.peer_health_check_ms`); `None`: never.
+    pub health_every: Option<Duration>,
+    /// Whether a connection's small writes are gathered into fewer
+    /// (`server.gather_writes`; see `lattice_net`).
+    pub gather_writes: bool,
+    /// The runtime's busy poller (`server.busy_poll_us`), which each call
+    /// in flight keeps polling.
+    pub poller: Option<Arc<crate::busy_poll::Poller>>,
+}
+
+impl Default for Transport {
+    /// No health checks, writes gathered, no busy polling.
+    fn default() -> Self {
+        Transport { health_every: None, gather_writes: true, poller: None }
+    }
+}
+
 /// Where a tool or hook service is, as the config names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
@@ -147,6 +169,8 @@ impl Tls {
 struct Checked {
     target: Target,
     tls: Option<Arc<tls::ClientTls>>,
+    /// Whether connections gather their writes.
+    gather_writes: bool,
 }
 
 impl Checked {
@@ -162,7 +186,7 @@ impl Checked {
             true => Some(tls::ClientTls::new(&tls.cloned().unwrap_or_default()).map_err(|e| format!("TLS: {e}"))?),
             false => None,
         };
-        Ok(Checked { target, tls })
+        Ok(Checked { target, tls, gather_writes: true })
     }
 
     /// The name a `dns:///` target's certificates must carry: its host
@@ -184,7 +208,7 @@ impl Checked {
             Some(tls) => Some(tls.connector(self.dns_host().unwrap_or(authority.host()))?),
             None => None,
         };
-        Ok(Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout, tls)?))
+        Ok(Calls::Direct(direct::Direct::new(authority.as_str(), connect_timeout, tls, self.gather_writes)?))
     }
 }
 
@@ -268,15 +292,17 @@ pub struct Peer {
 impl Peer {
     /// A peer for `endpoint` (see the module docs). Connects lazily; for a
     /// `dns:///` target it starts the resolver task, and for every address
-    /// a health checker (every `health_every`, if set); they end when the
-    /// last clone is dropped. Needs a Tokio runtime.
+    /// a health checker (every `transport.health_every`, if set); they end
+    /// when the last clone is dropped. Needs a Tokio runtime.
     pub fn connect(
         endpoint: &str,
         tls: Option<&Tls>,
         connect_timeout: Duration,
-        health_every: Option<Duration>,
+        transport: &Transport,
     ) -> Result<Peer, String> {
-        let checked = Checked::new(endpoint, tls)?;
+        let mut checked = Checked::new(endpoint, tls)?;
+        checked.gather_writes = transport.gather_writes;
+        let (health_every, poller) = (transport.health_every, transport.poller.clone());
         let uses_tls = checked.tls.is_some();
         if let Some(client) = &checked.tls {
             client.watch(&tls.cloned().unwrap_or_default());
@@ -288,11 +314,11 @@ impl Peer {
                     .ok()
                     .and_then(|e| e.uri().authority().map(|a| a.to_string()))
                     .unwrap_or_default();
-                Pool::single(endpoint.to_owned(), authority, calls, health_every)
+                Pool::single(endpoint.to_owned(), authority, calls, health_every, poller)
             }
             Target::Dns { host, port } => {
                 let host_port = format!("{host}:{port}");
-                Pool::resolving(endpoint.to_owned(), host_port, checked.clone(), connect_timeout, health_every)
+                Pool::resolving(endpoint.to_owned(), host_port, checked.clone(), connect_timeout, health_every, poller)
             }
         };
         Ok(Peer { pool, tls: uses_tls })
@@ -303,7 +329,7 @@ impl Peer {
     #[cfg(test)]
     pub(crate) fn over(channel: Channel) -> Peer {
         let name = "in-process".to_owned();
-        Peer { pool: Pool::single(name.clone(), name, Calls::Channel(channel), None), tls: false }
+        Peer { pool: Pool::single(name.clone(), name, Calls::Channel(channel), None, None), tls: false }
     }
 
     /// A peer over several ready channels, tried in this order (in-process

@@ -90,6 +90,8 @@ pub(crate) struct Pool {
     turn: AtomicUsize,
     /// How often each slot's health is checked, if at all.
     health_every: Option<Duration>,
+    /// The busy poller that calls in flight keep polling, if any.
+    pub(crate) poller: Option<Arc<crate::busy_poll::Poller>>,
     /// The resolver task, for `dns:///`; aborted when the pool goes.
     resolver: std::sync::Mutex<Option<AbortHandle>>,
     /// Told when a slot's first health check ends.
@@ -107,11 +109,17 @@ impl Drop for Pool {
 }
 
 impl Pool {
-    fn new(name: String, single: bool, health_every: Option<Duration>) -> Arc<Pool> {
+    fn new(
+        name: String,
+        single: bool,
+        health_every: Option<Duration>,
+        poller: Option<Arc<crate::busy_poll::Poller>>,
+    ) -> Arc<Pool> {
         Arc::new(Pool {
             name,
             single,
             health_every,
+            poller,
             slots: RwLock::new(Arc::new(Vec::new())),
             ready: Arc::new(AtomicUsize::new(0)),
             turn: AtomicUsize::new(0),
@@ -124,8 +132,14 @@ impl Pool {
     /// A pool of one slot over `calls` (an `http(s)://` target, or an
     /// in-process channel in tests); its health is checked every
     /// `health_every`.
-    pub(crate) fn single(name: String, addr: String, calls: Calls, health_every: Option<Duration>) -> Arc<Pool> {
-        let pool = Pool::new(name, true, health_every);
+    pub(crate) fn single(
+        name: String,
+        addr: String,
+        calls: Calls,
+        health_every: Option<Duration>,
+        poller: Option<Arc<crate::busy_poll::Poller>>,
+    ) -> Arc<Pool> {
+        let pool = Pool::new(name, true, health_every, poller);
         let slot = pool.add(addr, calls);
         *crate::sync::write(&pool.slots) = Arc::new(vec![slot]);
         pool.recount();
@@ -136,7 +150,7 @@ impl Pool {
     /// (in-process services in tests).
     #[cfg(test)]
     pub(crate) fn fixed(channels: Vec<Channel>) -> Arc<Pool> {
-        let pool = Pool::new("in-process".into(), false, None);
+        let pool = Pool::new("in-process".into(), false, None, None);
         let slots =
             channels.into_iter().enumerate().map(|(i, c)| pool.add(format!("in-process-{i}"), Calls::Channel(c)));
         *crate::sync::write(&pool.slots) = Arc::new(slots.collect());
@@ -151,8 +165,9 @@ impl Pool {
         checked: Checked,
         connect_timeout: Duration,
         health_every: Option<Duration>,
+        poller: Option<Arc<crate::busy_poll::Poller>>,
     ) -> Arc<Pool> {
-        let pool = Pool::new(name, false, health_every);
+        let pool = Pool::new(name, false, health_every, poller);
         let task = tokio::spawn(resolve(Arc::downgrade(&pool), host_port, checked, connect_timeout));
         *crate::sync::lock(&pool.resolver) = Some(task.abort_handle());
         pool

@@ -105,6 +105,7 @@ impl Validator<'_> {
                 .map(ms),
             worker_threads: s.worker_threads,
             busy_poll: busy_poll_us.map(Duration::from_micros),
+            gather_writes: s.gather_writes.unwrap_or(true),
             auth,
             limits: LimitSettings {
                 queries_in_flight: s.limits.queries_in_flight,

@@ -1,4 +1,17 @@
-//! Served connections that send a reply in one write.
+//! Served connections (the other side is the client) whose writes are
+//! gathered. tonic runs their tasks, so what is gathered is written at a
+//! flush that the connection's policy does not hold:
+//!
+//! - **Lattice's API listener** ([`Events`], policy [`NextPoll`]): the
+//!   first flush of what was gathered wakes the task and returns, and the
+//!   bytes are written on the task's next poll (which h2 starts with a
+//!   read). Nothing waits longer than one turn of the runtime's queue,
+//!   which is what lets the events of concurrent queries share writes.
+//!   Plaintext and TLS.
+//! - **the hook SDK's connections** ([`Replies`], policy
+//!   [`AfterTheMessage`]): a reply in one write.
+//!
+//! ## A reply in one write
 //!
 //! h2 sends a DATA frame of 256 bytes or more without copying it, and
 //! flushes right after it, before it encodes the frames behind it. A unary
@@ -21,7 +34,7 @@
 
 use std::{io::IoSlice, task::Context};
 
-use lattice_proto::gather::{Gathered, WhenToWrite};
+use crate::gather::{Gathered, WhenToWrite};
 
 /// h2 sends DATA payloads from this size on without a copy, and flushes
 /// after each (its `CHAIN_THRESHOLD` on IO that writes vectored).
@@ -77,13 +90,50 @@ impl Frames {
     }
 }
 
+/// A connection of the API listener (plaintext or TLS) whose writes are
+/// gathered and written on the next poll of its task (see the module docs).
+pub type Events<T> = Gathered<T, NextPoll>;
+
+/// Holds what a flush finds for the task's next poll.
+#[derive(Debug, Default)]
+pub struct NextPoll {
+    /// A flush found gathered bytes, woke the task and left them.
+    waiting: bool,
+    /// The task has been polled again since (h2 starts each poll of its
+    /// connection with a read): the next flush writes.
+    due: bool,
+}
+
+impl WhenToWrite for NextPoll {
+    fn read(&mut self) {
+        self.due |= self.waiting;
+    }
+
+    fn hold(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.due {
+            return false;
+        }
+        // Written on the next poll: what other tasks queue until then goes
+        // in the same write.
+        if !self.waiting {
+            self.waiting = true;
+            cx.waker().wake_by_ref();
+        }
+        true
+    }
+
+    fn written(&mut self) {
+        (self.waiting, self.due) = (false, false);
+    }
+}
+
 /// A served connection whose flush after a large DATA frame is held for
 /// the frames behind it (see the module docs).
-pub(crate) type Replies<T> = Gathered<T, AfterTheMessage>;
+pub type Replies<T> = Gathered<T, AfterTheMessage>;
 
 /// Holds the flush that h2 makes right after a large DATA frame.
 #[derive(Debug, Default)]
-pub(crate) struct AfterTheMessage {
+pub struct AfterTheMessage {
     frames: Frames,
     /// Bytes were taken since the last flush.
     wrote: bool,
@@ -122,10 +172,10 @@ mod tests {
         io,
         pin::Pin,
         sync::{Arc, Mutex},
-        task::{Poll, ready},
+        task::Poll,
     };
 
-    use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+    use tokio::io::{AsyncWrite, AsyncWriteExt};
 
     use super::*;
 
@@ -274,111 +324,5 @@ mod tests {
         let shut = io.shutdown().await;
         assert!(shut.is_ok(), "{shut:?}");
         assert_eq!(rec.writes(), vec![message]);
-    }
-
-    /// Counts the writes that reach a socket.
-    struct Counted {
-        io: tokio::net::TcpStream,
-        writes: Arc<std::sync::atomic::AtomicUsize>,
-    }
-
-    impl AsyncRead for Counted {
-        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.io).poll_read(cx, buf)
-        }
-    }
-
-    impl AsyncWrite for Counted {
-        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-            let written = ready!(Pin::new(&mut self.io).poll_write(cx, buf));
-            self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Poll::Ready(written)
-        }
-
-        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.io).poll_flush(cx)
-        }
-
-        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Pin::new(&mut self.io).poll_shutdown(cx)
-        }
-    }
-
-    impl tonic::transport::server::Connected for Counted {
-        type ConnectInfo = ();
-
-        fn connect_info(&self) {}
-    }
-
-    /// Replies with the tool result it was given.
-    struct Echo;
-
-    #[crate::async_trait]
-    impl crate::Hook for Echo {
-        async fn on_tool_result(
-            &self,
-            call: crate::ToolResultCall,
-        ) -> Result<Option<crate::ToolResultBlock>, tonic::Status> {
-            let text = call.text();
-            Ok(Some(call.replace_text(text)))
-        }
-    }
-
-    /// Served by tonic over [`Replies`], replies of every size arrive whole,
-    /// and a unary reply with a 1 KiB message is one write (h2 alone makes
-    /// it two: headers and message, then trailers).
-    #[tokio::test]
-    async fn served_replies_arrive_whole_in_one_write_each() -> Result<(), Box<dyn std::error::Error>> {
-        use lattice_proto::{
-            agent::v1::{TextBlock, ToolResultBlock},
-            hooks::v1::{OnToolResultRequest, hook_service_client::HookServiceClient},
-        };
-        use tokio_stream::StreamExt as _;
-
-        const LIMIT: usize = 64 << 20;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counter = writes.clone();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(move |accepted| {
-            let io = accepted?;
-            io.set_nodelay(true)?;
-            Ok::<_, io::Error>(Replies::new(Counted { io, writes: counter.clone() }))
-        });
-        let served = tonic::transport::Server::builder()
-            .add_service(crate::HookServer::new(Echo).into_service_with_limit(LIMIT))
-            .serve_with_incoming(incoming);
-        tokio::spawn(served);
-        let mut client = HookServiceClient::connect(format!("http://{addr}"))
-            .await?
-            .max_decoding_message_size(LIMIT)
-            .max_encoding_message_size(LIMIT);
-        let request = |size: usize| OnToolResultRequest {
-            tool_use_id: "t".into(),
-            result: Some(ToolResultBlock {
-                tool_use_id: "t".into(),
-                content: vec![TextBlock { text: "x".repeat(size) }],
-                is_error: false,
-            }),
-            ..Default::default()
-        };
-        let mut call = async |size: usize| -> Result<usize, Box<dyn std::error::Error>> {
-            let reply = tokio::time::timeout(std::time::Duration::from_secs(10), client.on_tool_result(request(size)))
-                .await??
-                .into_inner();
-            Ok(reply.result.map_or(0, |r| r.content.iter().map(|b| b.text.len()).sum()))
-        };
-        for size in [0, 10, 255, 256, 300, 1024, 16 * 1024, 20 * 1024, 1 << 20, 5 << 20] {
-            assert_eq!(call(size).await?, size, "the reply to {size} bytes");
-        }
-        let calls = 20;
-        let before = writes.load(std::sync::atomic::Ordering::Relaxed);
-        for _ in 0..calls {
-            assert_eq!(call(1024).await?, 1024);
-        }
-        let written = writes.load(std::sync::atomic::Ordering::Relaxed) - before;
-        // A window update may take a write of its own.
-        assert!((calls..=calls + 2).contains(&written), "{written} writes for {calls} replies");
-        Ok(())
     }
 }

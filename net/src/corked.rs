@@ -1,5 +1,7 @@
-//! Connections whose writes are gathered: what HTTP/2 writes during one
-//! poll of a connection's task is sent in one write.
+//! Hook and tool connections (Lattice is the client) whose writes are
+//! gathered: what HTTP/2 writes during one poll of the connection's task
+//! is sent in one write, right after that poll ([`Drain::poll`]). Lattice
+//! runs the connection's task, so it knows when a poll ends.
 //!
 //! h2 writes each DATA frame of more than 256 bytes on its own (it chains
 //! the payload rather than copy it, and flushes before the next frame), so
@@ -7,25 +9,8 @@
 //! on loopback each costs the kernel's whole send and receive path, about
 //! a fifth of Lattice's CPU under load. Gathered, the messages that tasks
 //! queued while the connection's task waited to run leave in one write, and
-//! the other side reads them in one too.
-//!
-//! Two ways to know when to write, one per side:
-//! - **hook and tool connections** ([`cork`]): Lattice runs the
-//!   connection's task, so it writes what each poll gathered right after
-//!   that poll ([`Drain::poll`]);
-//! - **the API listener's connections** ([`Gathered`]): tonic runs them, so
-//!   the first flush of what was gathered wakes the task and returns, and
-//!   the bytes are written on the task's next poll (which h2 starts with a
-//!   read). Nothing waits longer than one turn of the runtime's queue,
-//!   which is what lets the events of concurrent queries share writes.
-//!
-//! Large writes are not copied: from
-//! [`PASS_THROUGH`](lattice_proto::gather::PASS_THROUGH) bytes on, what is
-//! gathered is written first and the large write goes to the socket as it
-//! is, so a large message costs no more memory than before; at most
-//! [`GATHER_LIMIT`](lattice_proto::gather::GATHER_LIMIT) bytes are held
-//! before they are written anyway (see [`WriteBuffer`], which the hook
-//! SDK's connections use too).
+//! the other side reads them in one too. Large writes are not copied (see
+//! [`WriteBuffer`]).
 
 use std::{
     io::{self, IoSlice},
@@ -34,7 +19,7 @@ use std::{
     task::{Context, Poll},
 };
 
-use lattice_proto::gather::{WhenToWrite, WriteBuffer};
+use crate::gather::WriteBuffer;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -42,14 +27,14 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// it): reads go to the stream, writes are gathered until
 /// [`Drain::poll`].
 #[derive(Debug)]
-pub(crate) struct Corked<S> {
+pub struct Corked<S> {
     out: Arc<Mutex<Out<S>>>,
 }
 
 /// Writes what a [`Corked`] gathered; polled by the connection's task after
 /// each poll of the connection.
 #[derive(Debug)]
-pub(crate) struct Drain<S> {
+pub struct Drain<S> {
     out: Arc<Mutex<Out<S>>>,
 }
 
@@ -61,7 +46,7 @@ struct Out<S> {
 }
 
 /// The IO for h2 over `stream`, and its drain.
-pub(crate) fn cork<S: AsyncRead + AsyncWrite + Unpin>(stream: S) -> (Corked<S>, Drain<S>) {
+pub fn cork<S: AsyncRead + AsyncWrite + Unpin>(stream: S) -> (Corked<S>, Drain<S>) {
     let out = Arc::new(Mutex::new(Out { io: stream, buffer: WriteBuffer::default() }));
     (Corked { out: out.clone() }, Drain { out })
 }
@@ -70,14 +55,14 @@ pub(crate) fn cork<S: AsyncRead + AsyncWrite + Unpin>(stream: S) -> (Corked<S>, 
 /// the drain), so it is never contended; nothing can panic while it is
 /// held, and a poisoned lock still holds consistent bytes.
 fn lock<S>(out: &Mutex<Out<S>>) -> MutexGuard<'_, Out<S>> {
-    crate::sync::lock(out)
+    out.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl<S: AsyncWrite + Unpin> Drain<S> {
     /// Writes what the last poll of the connection gathered. A failure is
     /// kept for the connection's next write, and the task is polled again
     /// so that it finds it.
-    pub(crate) fn poll(&self, cx: &mut Context<'_>) {
+    pub fn poll(&self, cx: &mut Context<'_>) {
         let out = &mut *lock(&self.out);
         if out.buffer.has_failed() {
             return;
@@ -131,44 +116,6 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Corked<S> {
     }
 }
 
-/// A connection of the API listener (plaintext or TLS) whose writes are
-/// gathered and written on the next poll of its task (see the module
-/// docs).
-pub(crate) type Gathered<T> = lattice_proto::gather::Gathered<T, NextPoll>;
-
-/// Holds what a flush finds for the task's next poll.
-#[derive(Debug, Default)]
-pub(crate) struct NextPoll {
-    /// A flush found gathered bytes, woke the task and left them.
-    waiting: bool,
-    /// The task has been polled again since (h2 starts each poll of its
-    /// connection with a read): the next flush writes.
-    due: bool,
-}
-
-impl WhenToWrite for NextPoll {
-    fn read(&mut self) {
-        self.due |= self.waiting;
-    }
-
-    fn hold(&mut self, cx: &mut Context<'_>) -> bool {
-        if self.due {
-            return false;
-        }
-        // Written on the next poll: what other tasks queue until then goes
-        // in the same write.
-        if !self.waiting {
-            self.waiting = true;
-            cx.waker().wake_by_ref();
-        }
-        true
-    }
-
-    fn written(&mut self) {
-        (self.waiting, self.due) = (false, false);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::{future::poll_fn, time::Duration};
@@ -178,7 +125,7 @@ mod tests {
         net::{TcpListener, TcpStream},
     };
 
-    use lattice_proto::gather::{GATHER_LIMIT, PASS_THROUGH};
+    use crate::gather::{GATHER_LIMIT, PASS_THROUGH};
 
     use super::*;
 
@@ -275,12 +222,12 @@ mod tests {
     async fn listener_writes_leave_on_the_next_poll_together() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (client, accepted) = tokio::join!(TcpStream::connect(listener.local_addr().unwrap()), listener.accept());
-        let (mut io, mut peer) = (Gathered::new(accepted.unwrap().0), client.unwrap());
+        let (mut io, mut peer) = (crate::Events::new(accepted.unwrap().0), client.unwrap());
         let wakes = Arc::new(Wakes(Default::default()));
         let waker = std::task::Waker::from(wakes.clone());
         let mut cx = Context::from_waker(&waker);
         let mut pinned = Pin::new(&mut io);
-        let write = |io: &mut Pin<&mut Gathered<TcpStream>>, cx: &mut Context<'_>, b: &[u8]| {
+        let write = |io: &mut Pin<&mut crate::Events<TcpStream>>, cx: &mut Context<'_>, b: &[u8]| {
             assert!(matches!(io.as_mut().poll_write(cx, b), Poll::Ready(Ok(n)) if n == b.len()));
         };
         // One poll: two messages and a flush.
@@ -306,7 +253,7 @@ mod tests {
     async fn listener_shutdown_drains_first() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (client, accepted) = tokio::join!(TcpStream::connect(listener.local_addr().unwrap()), listener.accept());
-        let (mut io, mut peer) = (Gathered::new(accepted.unwrap().0), client.unwrap());
+        let (mut io, mut peer) = (crate::Events::new(accepted.unwrap().0), client.unwrap());
         io.write_all(b"last events").await.unwrap();
         io.flush().await.unwrap();
         io.shutdown().await.unwrap();
