@@ -58,6 +58,32 @@ pub struct AuditEntry {
 }
 
 /// How values are digested: SHA-256, or HMAC-SHA256 under a key.
+/// One shadow hook call (see `hooks::shadow`): never applied; its output
+/// compared with the shadowed hook's by digest.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ShadowEntry {
+    /// The agent whose chain it is.
+    pub agent: String,
+    /// The shadow hook.
+    pub hook: String,
+    /// The hook it shadows.
+    pub shadow_of: String,
+    /// `tool_result` or `model_request`.
+    pub event: &'static str,
+    /// The tool_use_id, or `turn N`.
+    pub subject: String,
+    /// `ok`, or the failure's kind.
+    pub outcome: &'static str,
+    /// `same`, `different`, or `none` (either failed).
+    pub agreement: &'static str,
+    /// The digest of the shadow's output; none when it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest_after: Option<String>,
+    /// The digest of the shadowed hook's output; none when it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest_shadowed: Option<String>,
+}
+
 #[derive(Clone, Default)]
 pub struct Digest {
     key: Option<ring::hmac::Key>,
@@ -94,9 +120,15 @@ impl Digest {
 
     /// The digest of a model request's system prompt and messages.
     pub fn model_request(&self, request: &ModelRequest<'_>) -> String {
+        self.model_request_pb(&request.system, convert::messages_to_pb(&request.messages))
+    }
+
+    /// [`Digest::model_request`] of a system prompt and messages already
+    /// in protobuf.
+    pub fn model_request_pb(&self, system: &str, messages: Vec<lattice_proto::agent::v1::Message>) -> String {
         let value = lattice_proto::hooks::v1::OnModelRequestRequest {
-            system: request.system.to_string(),
-            messages: convert::messages_to_pb(&request.messages),
+            system: system.to_owned(),
+            messages,
             ..Default::default()
         };
         self.hex(&value.encode_to_vec())
@@ -109,12 +141,13 @@ pub struct Audit {
     /// How its values are digested.
     pub digest: Digest,
     entries: Mutex<Vec<AuditEntry>>,
+    shadows: Mutex<Vec<ShadowEntry>>,
 }
 
 impl Audit {
     /// An empty record whose values are digested with `digest`.
     pub fn new(digest: Digest) -> Audit {
-        Audit { digest, entries: Mutex::default() }
+        Audit { digest, entries: Mutex::default(), shadows: Mutex::default() }
     }
 
     /// Adds one hook call.
@@ -125,6 +158,16 @@ impl Audit {
     /// Every entry so far, in the order the calls ended.
     pub fn entries(&self) -> Vec<AuditEntry> {
         crate::sync::lock(&self.entries).clone()
+    }
+
+    /// Adds one shadow hook call.
+    pub fn record_shadow(&self, entry: ShadowEntry) {
+        crate::sync::lock(&self.shadows).push(entry);
+    }
+
+    /// Every shadow hook call that has ended so far.
+    pub fn shadow_entries(&self) -> Vec<ShadowEntry> {
+        crate::sync::lock(&self.shadows).clone()
     }
 }
 
@@ -139,14 +182,14 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// The version of a hook chain's configuration: the first 16 hex digits
-/// of the SHA-256 of each enabled hook's name, endpoint, events, deadline
-/// and `required`, in order. Two replicas with the same version run the
-/// same chain.
+/// of the SHA-256 of each enabled hook's name, endpoint, events, deadline,
+/// `required`, match conditions and shadowed hook, in order. Two replicas
+/// with the same version run the same chain.
 pub fn chain_version(hooks: &[crate::config::HookDef]) -> String {
     let mut text = String::new();
     for h in hooks.iter().filter(|h| h.enabled) {
         text += &format!(
-            "{}\t{}\t{}{}\t{}\t{}\n",
+            "{}\t{}\t{}{}\t{}\t{}",
             h.name,
             h.endpoint,
             if h.events.tool_result { "tool_result," } else { "" },
@@ -154,6 +197,17 @@ pub fn chain_version(hooks: &[crate::config::HookDef]) -> String {
             h.deadline.as_millis(),
             h.required
         );
+        // Added only when set: a chain without them keeps its version.
+        if let Some(tools) = &h.tools {
+            text += &format!("\ttools={}", tools.join(","));
+        }
+        if h.min_messages > 0 {
+            text += &format!("\tmin_messages={}", h.min_messages);
+        }
+        if let Some(primary) = &h.shadow_of {
+            text += &format!("\tshadow_of={primary}");
+        }
+        text += "\n";
     }
     sha256_hex(text.as_bytes())[..16].to_owned()
 }

@@ -122,6 +122,7 @@ fn step_of<V>(o: &Observed<'_, V>) -> pb::HookStep {
     });
     pb::HookStep {
         hook: o.hook.to_owned(),
+        not_matched: !o.matched,
         replaced: o.replaced,
         changed: o.changed,
         latency_ms: o.took.as_secs_f64() * 1000.0,

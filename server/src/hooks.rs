@@ -40,6 +40,9 @@ use crate::{
 pub struct Observed<'a, V> {
     /// The hook.
     pub hook: &'a str,
+    /// Whether its match conditions let it see the value (else it was not
+    /// called, and the value went on as it was).
+    pub matched: bool,
     /// How long its call took.
     pub took: Duration,
     /// Whether it sent a replacement.
@@ -57,7 +60,7 @@ pub type Observer<'o, V> = dyn for<'a> FnMut(Observed<'a, V>) + Send + 'o;
 fn observe_failure<V>(observe: Option<&mut &mut Observer<'_, V>>, hook: &str, started: Instant, e: &ChainError) {
     if let Some(observe) = observe {
         let outcome = Err(e);
-        observe(Observed { hook, took: started.elapsed(), replaced: false, changed: false, outcome });
+        observe(Observed { hook, matched: true, took: started.elapsed(), replaced: false, changed: false, outcome });
     }
 }
 
@@ -89,6 +92,9 @@ struct Hook {
     max_reply: usize,
     /// Whether Lattice is ready only while this hook has a ready address.
     required: bool,
+    /// Its match conditions (see [`HookDef::matches_tool`]).
+    tools: Option<Vec<String>>,
+    min_messages: usize,
     /// Its calls' metrics, per event ([`HookEvent::index`]), made once.
     metrics: [Arc<CallMetric>; 2],
 }
@@ -101,7 +107,10 @@ const OUTCOMES: &[&str] =
 #[derive(Debug, Clone, Default)]
 pub struct HookChain {
     agent: String,
+    /// The hooks that run in order (every enabled hook but the shadows).
     hooks: Vec<Hook>,
+    /// Shadow hooks (see `shadow`).
+    shadows: Vec<shadow::Shadow>,
     /// See [`crate::audit::chain_version`].
     version: String,
     /// The largest request or reply of a hook call.
@@ -135,31 +144,38 @@ impl HookChain {
     /// in-process peers here). Each hook's ready addresses are a gauge.
     pub fn over(agent: &str, hooks: Vec<(HookDef, Peer)>, max_message_bytes: usize, metrics: Arc<Metrics>) -> Self {
         let version = crate::audit::chain_version(&hooks.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>());
-        let hooks = hooks
-            .into_iter()
-            .map(|(d, peer)| {
-                metrics.gauge(
-                    Family::HookReadyAddresses,
-                    vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("endpoint", d.endpoint.clone())],
-                    peer.ready_gauge(),
-                );
-                let call_metrics = [HookEvent::ToolResult, HookEvent::ModelRequest].map(|e| {
-                    let labels = vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("event", e.to_string())];
-                    metrics.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels, OUTCOMES)
-                });
-                Hook {
-                    max_reply: max_message_bytes,
-                    name: d.name,
-                    endpoint: d.endpoint,
-                    events: d.events,
-                    deadline: d.deadline,
-                    required: d.required,
-                    metrics: call_metrics,
-                    peer,
-                }
-            })
-            .collect();
-        Self { agent: agent.to_owned(), hooks, version, max_message_bytes, metrics }
+        let (mut ordered, mut shadows) = (Vec::new(), Vec::new());
+        let hooks = hooks.into_iter().map(|(d, peer)| {
+            metrics.gauge(
+                Family::HookReadyAddresses,
+                vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("endpoint", d.endpoint.clone())],
+                peer.ready_gauge(),
+            );
+            let call_metrics = [HookEvent::ToolResult, HookEvent::ModelRequest].map(|e| {
+                let labels = vec![("agent", agent.to_owned()), ("hook", d.name.clone()), ("event", e.to_string())];
+                metrics.call_metric(Family::HookCalls, Some(Family::HookCallDuration), labels, OUTCOMES)
+            });
+            let hook = Hook {
+                max_reply: max_message_bytes,
+                name: d.name,
+                endpoint: d.endpoint,
+                events: d.events,
+                deadline: d.deadline,
+                required: d.required,
+                tools: d.tools,
+                min_messages: d.min_messages,
+                metrics: call_metrics,
+                peer,
+            };
+            (d.shadow_of, hook)
+        });
+        for (shadow_of, hook) in hooks {
+            match shadow_of {
+                Some(of) => shadows.push(shadow::Shadow { of, hook }),
+                None => ordered.push(hook),
+            }
+        }
+        Self { agent: agent.to_owned(), hooks: ordered, shadows, version, max_message_bytes, metrics }
     }
 
     /// The version of this chain's configuration (see
@@ -189,14 +205,8 @@ impl HookChain {
         audit.record(crate::audit::AuditEntry {
             agent: step.scope.agent.clone(),
             hook: hook.name.clone(),
-            event: match event {
-                HookEvent::ToolResult => "tool_result",
-                HookEvent::ModelRequest => "model_request",
-            },
-            subject: match subject {
-                HookSubject::ToolUse(id) => id.clone(),
-                HookSubject::Turn(t) => format!("turn {t}"),
-            },
+            event: event.as_str(),
+            subject: subject.audit_text(),
             position,
             outcome,
             changed: after.as_ref().is_some_and(|a| *a != before),
@@ -205,10 +215,36 @@ impl HookChain {
         });
     }
 
+    /// Records in the query's audit record, if it keeps one, that `hook`'s
+    /// conditions left the value out: not called, the value unchanged.
+    fn audit_not_matched(
+        &self,
+        step: Step<'_>,
+        hook: &Hook,
+        event: HookEvent,
+        subject: &HookSubject,
+        position: u32,
+        digest: &str,
+    ) {
+        let Some(audit) = &step.scope.audit else { return };
+        audit.record(crate::audit::AuditEntry {
+            agent: step.scope.agent.clone(),
+            hook: hook.name.clone(),
+            event: event.as_str(),
+            subject: subject.audit_text(),
+            position,
+            outcome: "not_matched",
+            changed: false,
+            digest_before: digest.to_owned(),
+            digest_after: Some(digest.to_owned()),
+        });
+    }
+
     /// Each hook's name, how many of its addresses are ready now, and
     /// whether it is required (see [`HookChain::required_ready`]).
     pub fn readiness(&self) -> Vec<(String, usize, bool)> {
-        self.hooks.iter().map(|h| (h.name.clone(), h.peer.ready_addresses(), h.required)).collect()
+        let all = self.hooks.iter().chain(self.shadows.iter().map(|s| &s.hook));
+        all.map(|h| (h.name.clone(), h.peer.ready_addresses(), h.required)).collect()
     }
 
     /// The first required hook with no ready address, if any: while there
@@ -297,7 +333,20 @@ impl HookChain {
         });
         let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
+            if !hook.tools.as_ref().is_none_or(|tools| tools.iter().any(|t| t == call.tool_name)) {
+                if let Some(before) = &digest {
+                    let (event, position) = (HookEvent::ToolResult, position as u32 + 1);
+                    self.audit_not_matched(step, hook, event, &subject(), position, before);
+                }
+                if let Some(observe) = observe.as_mut() {
+                    let outcome = Ok(&*result);
+                    let (matched, took) = (false, Duration::ZERO);
+                    observe(Observed { hook: &hook.name, matched, took, replaced: false, changed: false, outcome });
+                }
+                continue;
+            }
             let request = around.with_result(result.clone());
+            let shadows = self.shadow_tool_results(hook, step, &request, &result, call.tool_use_id);
             let send = |req, len| crate::peer::unary(hook.peer.clone(), wire::ON_TOOL_RESULT, req, len, hook.max_reply);
             let accept = |reply: pb::OnToolResultResponse| match reply.result {
                 // The replacement's id is the hook's text: not repeated.
@@ -314,6 +363,11 @@ impl HookChain {
                     if let Some(r) = replacement {
                         result = Arc::new(r);
                     }
+                    if !shadows.is_empty() {
+                        let digest = step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default();
+                        let output = digest.tool_result(&result);
+                        shadows.into_iter().for_each(|primary| primary.tell(Some(output.clone())));
+                    }
                     if let Some(before) = digest.take() {
                         let after = audit.filter(|_| replaced).map(|a| a.digest.tool_result(&result));
                         let kept = after.clone().unwrap_or_else(|| before.clone());
@@ -323,7 +377,8 @@ impl HookChain {
                     }
                     if let Some(observe) = observe.as_mut() {
                         let outcome = Ok(&*result);
-                        observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+                        let (hook, matched, took) = (&hook.name, true, started.elapsed());
+                        observe(Observed { hook, matched, took, replaced, changed, outcome });
                     }
                 }
                 Err(e) => {
@@ -394,7 +449,20 @@ impl HookChain {
         let mut digest = audit.map(|a| a.digest.model_request(&request));
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
+            if request.messages.len() < hook.min_messages {
+                if let Some(before) = &digest {
+                    let subject = HookSubject::Turn(step.turn);
+                    self.audit_not_matched(step, hook, HookEvent::ModelRequest, &subject, position, before);
+                }
+                if let Some(observe) = observe.as_mut() {
+                    let outcome = Ok(&request);
+                    let (matched, took) = (false, Duration::ZERO);
+                    observe(Observed { hook: &hook.name, matched, took, replaced: false, changed: false, outcome });
+                }
+                continue;
+            }
             let pb_request = around.with_messages(&request.system, messages.clone());
+            let shadows = self.shadow_model_requests(hook, step, &pb_request, &request.system, &messages);
             let send =
                 |req, len| crate::peer::unary(hook.peer.clone(), wire::ON_MODEL_REQUEST, req, len, hook.max_reply);
             let subject = HookSubject::Turn(step.turn);
@@ -422,6 +490,11 @@ impl HookChain {
             if let Some(system) = system {
                 request.system = Cow::Owned(system);
             }
+            if !shadows.is_empty() {
+                let digest = step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default();
+                let output = digest.model_request_pb(&request.system, (*messages).clone());
+                shadows.into_iter().for_each(|primary| primary.tell(Some(output.clone())));
+            }
             if let Some(before) = digest.take() {
                 let after = audit.filter(|_| replaced).map(|a| a.digest.model_request(&request));
                 let kept = after.clone().unwrap_or_else(|| before.clone());
@@ -430,7 +503,8 @@ impl HookChain {
             }
             if let Some(observe) = observe.as_mut() {
                 let outcome = Ok(&request);
-                observe(Observed { hook: &hook.name, took: started.elapsed(), replaced, changed, outcome });
+                let (hook, matched, took) = (&hook.name, true, started.elapsed());
+                observe(Observed { hook, matched, took, replaced, changed, outcome });
             }
         }
         Ok(request)
@@ -442,6 +516,7 @@ impl HookChain {
             session_id: step.scope.session_id.clone(),
             query_id: step.scope.query_id.clone(),
             turn: step.turn,
+            chain_version: self.version.clone(),
         }
     }
 }
@@ -493,6 +568,7 @@ fn accept_model_request(reply: pb::OnModelRequestResponse) -> Result<(Option<Vec
 
 mod call;
 mod error;
+mod shadow;
 #[cfg(test)]
 mod tests;
 mod wire;

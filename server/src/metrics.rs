@@ -79,6 +79,9 @@ pub enum Family {
     SessionHistoryReads,
     /// Bytes of conversations this replica keeps (PostgreSQL store).
     SessionHistoryCacheBytes,
+    /// Shadow hook calls, by agent, hook, outcome and agreement with the
+    /// hook they shadow.
+    ShadowHookCalls,
 }
 
 impl Family {
@@ -87,6 +90,7 @@ impl Family {
             Family::Queries => "lattice_queries_total",
             Family::QueryDuration => "lattice_query_duration_seconds",
             Family::HookCalls => "lattice_hook_calls_total",
+            Family::ShadowHookCalls => "lattice_shadow_hook_calls_total",
             Family::HookCallDuration => "lattice_hook_call_duration_seconds",
             Family::ToolCalls => "lattice_tool_calls_total",
             Family::ModelRequests => "lattice_model_requests_total",
@@ -107,6 +111,9 @@ impl Family {
                 "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply, request_too_large, cancelled)."
             }
             Family::HookCallDuration => "Hook RPC duration, connecting included.",
+            Family::ShadowHookCalls => {
+                "Shadow hook calls by outcome, and whether their output agreed with the shadowed hook's (same, different, none)."
+            }
             Family::ToolCalls => "Tool calls by outcome (executed, failed, blocked, cancelled).",
             Family::ModelRequests => {
                 "Model requests (retries included) by outcome (ok, deadline, cancelled, or the error kind)."
@@ -168,7 +175,7 @@ impl Family {
         )
     }
 
-    const ALL: [Family; 12] = [
+    const ALL: [Family; 13] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -181,6 +188,7 @@ impl Family {
         Family::ModelTokens,
         Family::SessionHistoryReads,
         Family::SessionHistoryCacheBytes,
+        Family::ShadowHookCalls,
     ];
 }
 

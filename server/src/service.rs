@@ -308,18 +308,26 @@ fn parse_grpc_timeout(v: &str) -> Option<Duration> {
 /// event of the query's span).
 async fn audit(runtime: &Runtime, scope: &Scope, chain_version: &str, code: tonic::Code) {
     let Some(audit) = &scope.audit else { return };
-    let hooks = audit.entries();
+    let (hooks, shadows) = (audit.entries(), audit.shadow_entries());
     let outcome = status::code_name(code);
     let digest = audit.digest.algorithm();
-    runtime.tracer().emit(scope, TraceEvent::Audit { chain_version, outcome, digest, hooks: &hooks }).await;
+    let event = TraceEvent::Audit { chain_version, outcome, digest, hooks: &hooks, shadows: &shadows };
+    runtime.tracer().emit(scope, event).await;
     // The line carries a summary in plain fields; the whole record, with
     // the digests, is the trace file's `audit` event.
     let names = |keep: &dyn Fn(&crate::audit::AuditEntry) -> bool| {
         hooks.iter().filter(|h| keep(h)).map(|h| format!("{}@{}", h.hook, h.subject)).collect::<Vec<_>>().join(" ")
     };
     let changed_by = names(&|h| h.changed);
-    let failed = names(&|h| h.outcome != "ok");
-    info!(target: "lattice::audit", chain_version, outcome, digest, hook_calls = hooks.len(), %changed_by, %failed, "query audit");
+    let failed = names(&|h| h.outcome != "ok" && h.outcome != "not_matched");
+    let not_matched = names(&|h| h.outcome == "not_matched");
+    let shadows_differing = shadows
+        .iter()
+        .filter(|s| s.agreement != "same")
+        .map(|s| format!("{}@{}:{}", s.hook, s.subject, s.agreement))
+        .collect::<Vec<_>>()
+        .join(" ");
+    info!(target: "lattice::audit", chain_version, outcome, digest, hook_calls = hooks.len(), %changed_by, %failed, %not_matched, shadow_calls = shadows.len(), %shadows_differing, "query audit");
 }
 
 /// Session ids are made here (see [`crate::session::new_id`]; older ones
@@ -369,6 +377,9 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
                 client_certificate: h.tls.as_ref().is_some_and(|t| t.identity.is_some()),
                 ready_addresses: if h.enabled { ready_addresses(&h.name) } else { 0 },
                 required: h.required,
+                tools: h.tools.clone().unwrap_or_default(),
+                min_messages: u32::try_from(h.min_messages).unwrap_or(u32::MAX),
+                shadow_of: h.shadow_of.clone().unwrap_or_default(),
             })
             .collect(),
         parallel_tool_calls: d.parallel_tool_calls as u32,
@@ -376,6 +387,7 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
         allow: d.permissions.allow.clone(),
         deny: d.permissions.deny.clone(),
         ready: a.tools().is_some() && a.hooks.required_ready().is_ok(),
+        chain_version: a.hooks.version().to_owned(),
     }
 }
 

@@ -132,6 +132,9 @@ pub enum TraceEvent<'a> {
         digest: &'a str,
         /// Every hook call, in the order they ended.
         hooks: &'a [crate::audit::AuditEntry],
+        /// The shadow hook calls that had ended.
+        #[serde(skip_serializing_if = "<[_]>::is_empty")]
+        shadows: &'a [crate::audit::ShadowEntry],
     },
     /// The query failed.
     Error {

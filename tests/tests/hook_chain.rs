@@ -884,3 +884,135 @@ async fn test_hooks_dry_runs_model_request_hooks() {
     assert_eq!(client.test_hooks(none).await.unwrap_err().code(), Code::InvalidArgument);
     assert_eq!(client.test_hooks(request("nobody", vec![user("hi")])).await.unwrap_err().code(), Code::NotFound);
 }
+
+/// Match conditions: a hook with `tools` sees only those tools' results,
+/// one with `min_messages` only requests that long; the others go on
+/// unchanged, uncalled. The dry run shows the conditions too. GetAgent
+/// shows them and the chain's version, which each hook receives in its
+/// request's context, and which the conditions change.
+#[tokio::test(flavor = "multi_thread")]
+async fn match_conditions_leave_out_what_a_hook_does_not_care_about() {
+    use lattice_proto::agent::v1::{self as apb, test_hooks_request::Value};
+    let tools = ToolServer::start(vec![ToolDef::new("queryDatabase", "rows"), ToolDef::new("other", "text")]).await;
+    let (db, compact) = (HookServer::start(appender("[db]")).await, HookServer::start(appender("[compact]")).await);
+    let agent = cfg::agent("x", "system_prompt = \"sys\"")
+        + &cfg::turn("go", &["queryDatabase", "other"])
+        + &cfg::turn("model saw {{system}}", &[])
+        + &cfg::tools(&tools.url, 2000);
+    let hooks = cfg::hook("db", &db.url, &["tool_result"], 1000)
+        + "tools = [\"queryDatabase\"]\n"
+        + &cfg::hook("compact", &compact.url, &["model_request"], 1000)
+        + "min_messages = 3\n";
+    let lattice = Lattice::start(&(agent.clone() + &hooks)).await;
+    let out = lattice.query("x", "go").await;
+    // The second request (the prompt, the reply with its calls, their
+    // results: 3 messages) is the only one long enough for `compact`.
+    assert_eq!(out.expect_ok().text, "model saw sys[compact]");
+    assert_eq!(out.tool_texts(), vec!["rows[db]", "text"]);
+    assert_eq!(db.state.tool_results().len(), 1, "db saw queryDatabase's result only");
+    assert_eq!(db.state.tool_results()[0].tool_name, "queryDatabase");
+    assert_eq!(compact.state.model_requests().len(), 1);
+
+    let mut client = lattice.client().await;
+    let info = client.get_agent(apb::GetAgentRequest { name: "x".into() }).await.unwrap().into_inner();
+    assert_eq!(info.hooks[0].tools, ["queryDatabase"]);
+    assert_eq!(info.hooks[1].min_messages, 3);
+    assert_eq!(info.chain_version.len(), 16, "{info:?}");
+    let sent = db.state.tool_results()[0].context.clone().unwrap_or_default();
+    assert_eq!(sent.chain_version, info.chain_version, "the hook is told the chain's version");
+
+    // The dry run leaves `db` out for another tool, and says so.
+    let dry = apb::TestHooksRequest {
+        agent: "x".into(),
+        value: Some(Value::ToolResult(apb::TestToolResult {
+            tool_name: "other".into(),
+            input: None,
+            result: Some(apb::ToolResultBlock {
+                tool_use_id: "toolu_1".into(),
+                content: vec![apb::TextBlock { text: "v".into() }],
+                is_error: false,
+            }),
+        })),
+    };
+    let report = client.test_hooks(dry).await.unwrap().into_inner();
+    assert!(report.completed);
+    assert_eq!(report.steps.len(), 1);
+    assert!(report.steps[0].not_matched && !report.steps[0].replaced, "{:?}", report.steps[0]);
+    assert_eq!(db.state.tool_results().len(), 1, "not called by the dry run");
+
+    // Without the conditions the chain is another one.
+    let unconditioned = cfg::hook("db", &db.url, &["tool_result"], 1000)
+        + &cfg::hook("compact", &compact.url, &["model_request"], 1000);
+    let other = Lattice::start(&(agent + &unconditioned)).await;
+    let mut client = other.client().await;
+    let info_other = client.get_agent(apb::GetAgentRequest { name: "x".into() }).await.unwrap().into_inner();
+    assert_ne!(info_other.chain_version, info.chain_version);
+}
+
+/// Shadow hooks: each receives what `redact` receives, in parallel; its
+/// output is never applied, its failure aborts nothing, the query does not
+/// wait for a slow one; the agreement of each with `redact` is counted by
+/// digest and written in the audit record, never a value.
+#[tokio::test(flavor = "multi_thread")]
+async fn shadow_hooks_are_compared_and_never_applied() {
+    let secret = canary();
+    let tools = ToolServer::start(vec![ToolDef::new("t", &secret)]).await;
+    let replace = |text: &str| Behaviour { on_result: OnResult::ReplaceText(text.into()), ..Default::default() };
+    // `redact` answers last, so that the fast shadows have answered by
+    // then and are in the query's audit record.
+    let redact = HookServer::start(Behaviour { delay: Duration::from_millis(150), ..replace("clean") }).await;
+    let same = HookServer::start(replace("clean")).await;
+    let different = HookServer::start(replace("cleaner")).await;
+    let failing = HookServer::start(Behaviour { fail: Some(Code::Internal), ..Default::default() }).await;
+    let slow = HookServer::start(Behaviour { delay: Duration::from_millis(1500), ..replace("clean") }).await;
+    let shadow = |name: &str, url: &str| cfg::hook(name, url, &["tool_result"], 3000) + "shadow_of = \"redact\"\n";
+    let config = cfg::agent("x", "")
+        + &cfg::turn("go", &["t"])
+        + &cfg::turn("model saw {{last_tool_result}}", &[])
+        + &cfg::tools(&tools.url, 2000)
+        + &shadow("v2", &same.url)
+        + &cfg::hook("redact", &redact.url, &["tool_result"], 1000)
+        + &shadow("v3", &different.url)
+        + &shadow("broken", &failing.url)
+        + &shadow("slow", &slow.url);
+    let lattice = Lattice::start(&config).await;
+    let started = Instant::now();
+    let out = lattice.query("x", "go").await;
+    assert_eq!(out.expect_ok().text, "model saw clean", "only redact's output is applied");
+    assert!(started.elapsed() < Duration::from_millis(1200), "waited for the slow shadow: {:?}", started.elapsed());
+    for (hook, server) in [("v2", &same), ("v3", &different), ("broken", &failing)] {
+        let seen = server.state.tool_results();
+        assert_eq!(seen.len(), 1, "{hook} was called once");
+        assert_eq!(result_text(seen[0].result.as_ref().unwrap()), secret, "{hook} got what redact got");
+    }
+    // The slow one still answers, after the query.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert_eq!(slow.state.tool_results().len(), 1);
+    let metrics = lattice.metrics().await;
+    for line in [
+        "lattice_shadow_hook_calls_total{agent=\"x\",hook=\"v2\",outcome=\"ok\",agreement=\"same\"} 1",
+        "lattice_shadow_hook_calls_total{agent=\"x\",hook=\"v3\",outcome=\"ok\",agreement=\"different\"} 1",
+        "lattice_shadow_hook_calls_total{agent=\"x\",hook=\"broken\",outcome=\"status\",agreement=\"none\"} 1",
+        "lattice_shadow_hook_calls_total{agent=\"x\",hook=\"slow\",outcome=\"ok\",agreement=\"same\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+    // The audit record, in the trace: the shadows that had answered, by
+    // digest; the value itself nowhere.
+    let traces = lattice.traces();
+    let audit = traces.lines().find(|l| l.contains("\"type\":\"audit\"")).expect("an audit line");
+    assert!(audit.contains("\"shadow_of\":\"redact\"") && audit.contains("\"agreement\":\"different\""), "{audit}");
+    assert_no_leak(&secret, &lattice, &out);
+
+    // A shadow never holds the replica out of rotation.
+    drop(failing);
+    let info = lattice
+        .client()
+        .await
+        .get_agent(lattice_proto::agent::v1::GetAgentRequest { name: "x".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    let v3 = info.hooks.iter().find(|h| h.name == "v3").unwrap();
+    assert_eq!((v3.shadow_of.as_str(), v3.required), ("redact", false));
+}

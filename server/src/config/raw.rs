@@ -218,6 +218,9 @@ pub(super) struct RawHook {
     pub(super) enabled: bool,
     #[serde(default = "yes")]
     pub(super) required: bool,
+    pub(super) tools: Option<Spanned<Vec<String>>>,
+    pub(super) min_messages: Option<Spanned<u64>>,
+    pub(super) shadow_of: Option<Spanned<String>>,
 }
 
 /// TLS to a tool or hook service. Paths are relative to the config file.

@@ -124,3 +124,42 @@ fn one_mistake_in_every_table_gives_one_problem_each() {
         ]
     );
 }
+
+/// A hook entry's match conditions and shadow: each mistake once, at its
+/// line; a shadow hook is never required.
+#[test]
+fn match_conditions_and_shadows_are_checked() {
+    let hook = |name: &str, events: &str, extra: &str| {
+        format!("[[agents.hooks]]\nname = \"{name}\"\nendpoint = \"http://127.0.0.1:1\"\nevents = [{events}]\n{extra}")
+    };
+    let text = format!(
+        "[server.auth]\nmode = \"none\"\n{AGENT}{}{}{}{}{}{}",
+        hook("redact", "\"tool_result\"", "tools = [\"queryDatabase\"]\n"),
+        hook("a", "\"model_request\"", "tools = [\"x\"]\n"),
+        hook("b", "\"tool_result\"", "tools = []\nmin_messages = 4\n"),
+        hook("c", "\"tool_result\"", "shadow_of = \"nobody\"\n"),
+        hook("d", "\"tool_result\", \"model_request\"", "shadow_of = \"redact\"\n"),
+        hook("e", "\"tool_result\"", "shadow_of = \"redact\"\ntools = [\"y\"]\n"),
+    );
+    assert_eq!(
+        problems(&text),
+        [
+            "16: agents[0].hooks[1].tools",
+            "21: agents[0].hooks[2].tools",
+            "22: agents[0].hooks[2].min_messages",
+            "27: agents[0].hooks[3].shadow_of",
+            "31: agents[0].hooks[4].events",
+            "37: agents[0].hooks[5].shadow_of",
+        ]
+    );
+    let fine = format!(
+        "[server.auth]\nmode = \"none\"\n{AGENT}{}{}",
+        hook("redact", "\"tool_result\"", "tools = [\"queryDatabase\"]\n"),
+        hook("redact-v2", "\"tool_result\"", "shadow_of = \"redact\"\n")
+    );
+    let env = |_: &str| None;
+    let config = parse_with_env(&fine, Path::new("t.toml"), &env, &crate::CHECKS).unwrap();
+    let hooks = &config.agents[0].hooks;
+    assert_eq!((hooks[1].shadow_of.as_deref(), hooks[1].required), (Some("redact"), false));
+    assert!(hooks[0].matches_tool("queryDatabase") && !hooks[0].matches_tool("other"));
+}

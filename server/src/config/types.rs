@@ -395,8 +395,28 @@ pub struct HookDef {
     /// Disabled entries are skipped.
     pub enabled: bool,
     /// Lattice reports NOT_SERVING while this hook has no ready address
-    /// (every query of the agent would abort).
+    /// (every query of the agent would abort). Never for a shadow hook.
     pub required: bool,
+    /// Match condition: OnToolResult only for these tools' results
+    /// (`tools`); `None`: every tool's.
+    pub tools: Option<Vec<String>>,
+    /// Match condition: OnModelRequest only for requests of at least this
+    /// many messages (`min_messages`); 0: every request.
+    pub min_messages: usize,
+    /// A shadow hook: the hook whose calls it receives too (`shadow_of`).
+    pub shadow_of: Option<String>,
+}
+
+impl HookDef {
+    /// Whether its conditions let it see `tool`'s results.
+    pub fn matches_tool(&self, tool: &str) -> bool {
+        self.tools.as_ref().is_none_or(|tools| tools.iter().any(|t| t == tool))
+    }
+
+    /// Whether its conditions let it see a request of `messages` messages.
+    pub fn matches_request(&self, messages: usize) -> bool {
+        messages >= self.min_messages
+    }
 }
 
 // ------------------------------------------------------------- errors ----

@@ -32,6 +32,7 @@ pub(super) fn context(turn: u32) -> pb::HookContext {
         session_id: "00000000-0000-4000-8000-000000000000".into(),
         query_id: "00000000-0000-4000-8000-000000000001".into(),
         turn,
+        chain_version: "hook-check".into(),
     }
 }
 

@@ -124,7 +124,7 @@ impl HookChain {
 ///   the protocol (does not decode, too large, ends early, no message):
 ///   `InvalidReply`; except UNAVAILABLE, inferred from an HTTP 429 or
 ///   502/503/504 without a gRPC status (a proxy with no backend).
-fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -> HookFailure {
+pub(super) fn classify(status: &tonic::Status, sent: Option<i32>, call_deadline: Instant) -> HookFailure {
     let code = status.code();
     let by_hook = sent == Some(code as i32) && code != Code::Ok && std::error::Error::source(status).is_none();
     if by_hook {

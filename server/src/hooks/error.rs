@@ -48,6 +48,16 @@ pub enum HookSubject {
     Turn(u32),
 }
 
+impl HookSubject {
+    /// As the audit record writes it: the tool_use_id, or "turn N".
+    pub(super) fn audit_text(&self) -> String {
+        match self {
+            HookSubject::ToolUse(id) => id.clone(),
+            HookSubject::Turn(t) => format!("turn {t}"),
+        }
+    }
+}
+
 /// How a hook call failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HookFailure {

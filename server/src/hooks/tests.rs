@@ -83,6 +83,9 @@ fn chain(hooks: &[(&'static str, Duration, Duration)]) -> (HookChain, Vec<Arc<Mu
             deadline: *deadline,
             enabled: true,
             required: true,
+            tools: None,
+            min_messages: 0,
+            shadow_of: None,
         };
         let channel = in_process(Fake { delay: *delay, marker, seen: log.clone() });
         peers.push((def, Peer::over(channel)));
@@ -211,6 +214,9 @@ fn replicated(channels: Vec<Channel>, deadline: Duration) -> (HookChain, Peer) {
         deadline,
         enabled: true,
         required: true,
+        tools: None,
+        min_messages: 0,
+        shadow_of: None,
     };
     let peer = Peer::over_all(channels);
     (HookChain::over("agent", vec![(def, peer.clone())], 1 << 20, Arc::new(Metrics::default())), peer)

@@ -249,6 +249,7 @@ mod tests {
                 session_id: "s".repeat(32),
                 query_id: "q".into(),
                 turn: 3,
+                chain_version: "0123456789abcdef".into(),
             }),
             tool_name: "fetch".into(),
             tool_use_id: "toolu_1".into(),
@@ -300,7 +301,13 @@ mod tests {
             input_schema: serde_json::json!({"type": "object"}).as_object().unwrap().clone(),
         }];
         pb::OnModelRequestRequest {
-            context: Some(pb::HookContext { agent: "a".into(), session_id: "s".into(), query_id: "q".into(), turn: 2 }),
+            context: Some(pb::HookContext {
+                agent: "a".into(),
+                session_id: "s".into(),
+                query_id: "q".into(),
+                turn: 2,
+                chain_version: "v".into(),
+            }),
             system: system.into(),
             messages,
             tools: tools.iter().map(Into::into).collect(),

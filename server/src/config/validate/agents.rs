@@ -91,6 +91,7 @@ impl Validator<'_> {
 
         let mut hook_names = HashSet::new();
         let mut hooks = Vec::new();
+        let mut shadows = Vec::new();
         for (j, h) in a.hooks.into_iter().enumerate() {
             let f = |x: &str| at(&format!("hooks[{j}].{x}"));
             if !valid_name(h.name.get_ref()) {
@@ -139,6 +140,31 @@ impl Validator<'_> {
                 Some(d) => ms(*d.get_ref()),
                 None => server.hook_default_deadline,
             };
+            let tools = h.tools.map(|t| {
+                let span = t.span();
+                if t.get_ref().is_empty() {
+                    self.problem(Some(span.clone()), f("tools"), "name at least one tool, or leave tools out");
+                } else if !events.tool_result {
+                    let message = "tools limits OnToolResult calls: this hook's events have no \"tool_result\"";
+                    self.problem(Some(span.clone()), f("tools"), message);
+                }
+                for tool in t.get_ref().iter().filter(|t| !valid_name(t)) {
+                    self.problem(Some(span.clone()), f("tools"), format!("{tool:?} is not a tool name"));
+                }
+                t.into_inner()
+            });
+            let min_messages = match h.min_messages {
+                Some(m) if !events.model_request => {
+                    let message =
+                        "min_messages limits OnModelRequest calls: this hook's events have no \"model_request\"";
+                    self.problem(Some(m.span()), f("min_messages"), message);
+                    0
+                }
+                Some(m) => usize::try_from(*m.get_ref()).unwrap_or(usize::MAX),
+                None => 0,
+            };
+            let shadow_of = h.shadow_of.map(|s| (s.span(), s.into_inner()));
+            shadows.push((j, shadow_of.clone(), h.events.span()));
             hooks.push(HookDef {
                 name: h.name.into_inner(),
                 endpoint: h.endpoint.into_inner(),
@@ -146,8 +172,41 @@ impl Validator<'_> {
                 events,
                 deadline,
                 enabled: h.enabled,
-                required: h.required,
+                // A shadow hook never aborts a query, so never holds the
+                // replica out of rotation either.
+                required: h.required && shadow_of.is_none(),
+                tools,
+                min_messages,
+                shadow_of: shadow_of.map(|(_, name)| name),
             });
+        }
+        // A shadow hook receives what the hook it names receives: that hook
+        // must be an enabled, ordinary hook of this agent handling every
+        // event the shadow lists, and the shadow takes its conditions.
+        for (j, shadow_of, events_span) in shadows {
+            let Some((span, primary)) = shadow_of else { continue };
+            let f = at(&format!("hooks[{j}].shadow_of"));
+            let shadow = &hooks[j];
+            let Some(target) = hooks.iter().find(|h| h.name == primary) else {
+                self.problem(Some(span), &f, format!("no hook named {primary:?} in this agent"));
+                continue;
+            };
+            if target.name == shadow.name {
+                self.problem(Some(span), &f, "a hook cannot shadow itself");
+            } else if target.shadow_of.is_some() {
+                self.problem(Some(span), &f, format!("{primary:?} is itself a shadow hook"));
+            } else if !target.enabled && shadow.enabled {
+                self.problem(Some(span), &f, format!("{primary:?} is disabled"));
+            } else if (shadow.events.tool_result && !target.events.tool_result)
+                || (shadow.events.model_request && !target.events.model_request)
+            {
+                let message = format!("a shadow hook's events must be among {primary:?}'s");
+                self.problem(Some(events_span), at(&format!("hooks[{j}].events")), message);
+            } else if shadow.tools.is_some() || shadow.min_messages > 0 {
+                let message =
+                    format!("a shadow hook takes its conditions from {primary:?}: leave tools and min_messages out");
+                self.problem(Some(span), &f, message);
+            }
         }
 
         AgentDef {
