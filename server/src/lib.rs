@@ -47,6 +47,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod peer;
+pub mod reconfig;
 pub mod reload;
 pub mod scope;
 pub mod service;
@@ -145,6 +146,26 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    serve(config, None, listener, shutdown).await
+}
+
+/// [`run`] for a config read from `path`, which is read again on SIGHUP
+/// and when it changes (see [`reconfig`]): `lattice serve`.
+pub async fn run_reloading(
+    config: Config,
+    path: std::path::PathBuf,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    serve(config, Some(path), listener, shutdown).await
+}
+
+async fn serve(
+    config: Config,
+    path: Option<std::path::PathBuf>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     // Opened first: a port that can't be had stops start-up at once.
     let admin = match config.server.admin_listen {
         Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Admin { addr, source })?),
@@ -184,7 +205,11 @@ pub async fn run(
         }
     };
     let auth = Arc::new(auth::Authenticator::new(&config.server.auth, tls.clone()).map_err(ServeError::Auth)?);
-    let agents = AgentServiceServer::new(AgentSvc::new(runtime.clone(), store.clone(), auth))
+    let live = Arc::new(reconfig::Live::new(runtime.clone(), config.clone()));
+    if let Some(path) = path {
+        tokio::spawn(reconfig::follow(Arc::downgrade(&live), path));
+    }
+    let agents = AgentServiceServer::new(AgentSvc::new(live.clone(), store.clone(), auth))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
@@ -196,8 +221,9 @@ pub async fn run(
     let serving = store_ok && runtime.ready().is_ok();
     health::set(&health, serving).await;
     health.set_service_status(health::LIVENESS, tonic_health::ServingStatus::Serving).await;
-    let weak = Arc::downgrade(&runtime);
-    let ready = move || weak.upgrade().map_or(Err("stopping".to_owned()), |r| r.ready());
+    // Readiness follows the runtime new queries take.
+    let weak = Arc::downgrade(&live);
+    let ready = move || weak.upgrade().map_or(Err("stopping".to_owned()), |live| live.current().ready());
     let follow = health::follow_store(health.clone(), store, postgres, ready, draining.clone(), store_ok, serving);
     tokio::spawn(follow);
 

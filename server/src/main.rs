@@ -4,7 +4,7 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use lattice_server::{client, config, example_tools, hookcheck, logging, peer::Tls, run, shutdown_signal};
+use lattice_server::{client, config, example_tools, hookcheck, logging, peer::Tls, run_reloading, shutdown_signal};
 use tokio::net::TcpListener;
 
 /// mimalloc: a query's many small, short-lived allocations (frames, header
@@ -408,7 +408,7 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match run(cfg, listener, signal).await {
+            match run_reloading(cfg, config, listener, signal).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "server failed");

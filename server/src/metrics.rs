@@ -82,6 +82,8 @@ pub enum Family {
     /// Shadow hook calls, by agent, hook, outcome and agreement with the
     /// hook they shadow.
     ShadowHookCalls,
+    /// Config reloads, by result.
+    ConfigReloads,
 }
 
 impl Family {
@@ -91,6 +93,7 @@ impl Family {
             Family::QueryDuration => "lattice_query_duration_seconds",
             Family::HookCalls => "lattice_hook_calls_total",
             Family::ShadowHookCalls => "lattice_shadow_hook_calls_total",
+            Family::ConfigReloads => "lattice_config_reloads_total",
             Family::HookCallDuration => "lattice_hook_call_duration_seconds",
             Family::ToolCalls => "lattice_tool_calls_total",
             Family::ModelRequests => "lattice_model_requests_total",
@@ -111,6 +114,9 @@ impl Family {
                 "Hook RPCs by outcome (ok, deadline, unavailable, status, invalid_reply, request_too_large, cancelled)."
             }
             Family::HookCallDuration => "Hook RPC duration, connecting included.",
+            Family::ConfigReloads => {
+                "Config reloads by result: ok, invalid (the running config stays), restart_needed (applied but for settings that need a restart)."
+            }
             Family::ShadowHookCalls => {
                 "Shadow hook calls by outcome, and whether their output agreed with the shadowed hook's (same, different, none)."
             }
@@ -175,7 +181,7 @@ impl Family {
         )
     }
 
-    const ALL: [Family; 13] = [
+    const ALL: [Family; 14] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -189,6 +195,7 @@ impl Family {
         Family::SessionHistoryReads,
         Family::SessionHistoryCacheBytes,
         Family::ShadowHookCalls,
+        Family::ConfigReloads,
     ];
 }
 
@@ -324,10 +331,13 @@ impl Metrics {
     }
 
     /// Shows `value` as a gauge (a counter for a family that only grows),
-    /// read at each scrape.
+    /// read at each scrape; it replaces the value shown under the same
+    /// labels (a hook's ready addresses after a config reload).
     pub fn gauge(&self, family: Family, labels: Labels, value: Arc<AtomicUsize>) {
-        if let Ok(mut values) = self.observed.values.lock() {
-            values.push((family, labels, value));
+        let mut values = crate::sync::lock(&self.observed.values);
+        match values.iter_mut().find(|(f, l, _)| *f == family && *l == labels) {
+            Some(kept) => kept.2 = value,
+            None => values.push((family, labels, value)),
         }
     }
 

@@ -18,6 +18,7 @@ use crate::{
     events::{self, EventTx, Out},
     limits::Limits,
     peer,
+    reconfig::Live,
     scope::Scope,
     session::{SessionStore, StoreError},
     status,
@@ -32,7 +33,8 @@ const DEADLINE_GRACE: Duration = Duration::from_millis(20);
 /// The service.
 #[derive(Debug, Clone)]
 pub struct AgentSvc {
-    runtime: Arc<Runtime>,
+    /// The runtime new calls take (see [`crate::reconfig`]).
+    live: Arc<Live>,
     store: Arc<dyn SessionStore>,
     /// Who is calling.
     auth: Arc<Authenticator>,
@@ -45,15 +47,17 @@ pub struct AgentSvc {
 }
 
 impl AgentSvc {
-    /// A service over `runtime` and `store`.
-    pub fn new(runtime: Arc<Runtime>, store: Arc<dyn SessionStore>, auth: Arc<Authenticator>) -> Self {
+    /// A service over `live`'s runtime and `store`.
+    pub fn new(live: Arc<Live>, store: Arc<dyn SessionStore>, auth: Arc<Authenticator>) -> Self {
+        // Settings a reload does not change (see `reconfig::RESTART_NEEDED`).
+        let runtime = live.current();
         let limit = runtime.settings.max_concurrent_queries;
         let limits = Limits::new(runtime.settings.limits);
         let digest = match &runtime.settings.audit_key {
             Some(key) => crate::audit::Digest::keyed(key.0.as_bytes()),
             None => crate::audit::Digest::default(),
         };
-        Self { runtime, store, auth, limits, queries: Arc::new(Semaphore::new(limit)), digest }
+        Self { live, store, auth, limits, queries: Arc::new(Semaphore::new(limit)), digest }
     }
 }
 
@@ -91,8 +95,8 @@ impl AgentSvc {
     }
 
     /// A call's time: its `grpc-timeout`, at most `server.query_deadline_ms`.
-    fn budget(&self, metadata: &tonic::metadata::MetadataMap) -> Duration {
-        let most = self.runtime.settings.query_deadline;
+    fn budget(&self, runtime: &Runtime, metadata: &tonic::metadata::MetadataMap) -> Duration {
+        let most = runtime.settings.query_deadline;
         metadata
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
@@ -112,11 +116,13 @@ impl AgentSvc {
         let principal = self.auth.authenticate(&request)?;
         *who = Some(principal.name.clone());
         let parent = crate::telemetry::incoming(request.metadata());
-        let budget = self.budget(request.metadata());
+        // The query runs on this runtime, start to finish, whatever a
+        // reload does meanwhile.
+        let runtime = self.live.current();
+        let budget = self.budget(&runtime, request.metadata());
         let deadline = Instant::now() + budget;
         let req = request.into_inner();
-        let agent = self
-            .runtime
+        let agent = runtime
             .agent(&req.agent)
             .cloned()
             .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&req.agent))))?;
@@ -168,7 +174,6 @@ impl AgentSvc {
         debug!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
 
         let (out_tx, out_rx) = mpsc::channel::<Out>(32);
-        let runtime = self.runtime.clone();
         let limit = runtime.settings.max_message_bytes;
         let scope = Scope {
             agent: agent.def.name.clone(),
@@ -186,7 +191,7 @@ impl AgentSvc {
             include_model_requests: req.include_model_requests,
         };
         let started = pb::QueryStarted { query_id, session_id: session_id.clone(), agent: agent.def.name.clone() };
-        let in_flight = self.runtime.metrics.query_started();
+        let in_flight = runtime.metrics.query_started();
         let driver = async move {
             let _permit = permit;
             let _admitted = admitted;
@@ -425,8 +430,9 @@ impl AgentService for AgentSvc {
                 principal.name
             )));
         }
-        let budget = self.budget(request.metadata());
-        let report = crate::dryrun::test_hooks(&self.runtime, request.into_inner(), budget).await?;
+        let runtime = self.live.current();
+        let budget = self.budget(&runtime, request.metadata());
+        let report = crate::dryrun::test_hooks(&runtime, request.into_inner(), budget).await?;
         Ok(Response::new(report))
     }
 
@@ -437,8 +443,8 @@ impl AgentService for AgentSvc {
         let principal = self.auth.authenticate(&request)?;
         // Each caller sees the agents it may query (an admin, all); only
         // admins see where their hooks and tools are.
-        let agents = self
-            .runtime
+        let runtime = self.live.current();
+        let agents = runtime
             .agents()
             .filter(|a| principal.admin || self.may_query(&principal, a).is_ok())
             .map(|a| self.describe(&principal, a))
@@ -449,10 +455,9 @@ impl AgentService for AgentSvc {
     async fn get_agent(&self, request: Request<pb::GetAgentRequest>) -> Result<Response<pb::Agent>, Status> {
         let principal = self.auth.authenticate(&request)?;
         let name = request.into_inner().name;
-        let agent = self
-            .runtime
-            .agent(&name)
-            .ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&name))))?;
+        let runtime = self.live.current();
+        let agent =
+            runtime.agent(&name).ok_or_else(|| Status::not_found(format!("no agent named {}", status::echo(&name))))?;
         if !principal.admin {
             self.may_query(&principal, agent)?;
         }
@@ -472,7 +477,7 @@ impl AgentService for AgentSvc {
         // to the wire's size; an eighth more than the room makes one read
         // usually enough, and the page is trimmed to the room exactly.
         let ask = |room: usize| room.saturating_add(room / 8).max(1);
-        let limit = self.runtime.settings.max_message_bytes;
+        let limit = self.live.current().settings.max_message_bytes;
         let mut stored = self
             .store
             .page_as(&req.session_id, owner, start, most, ask(limit))
@@ -538,8 +543,9 @@ impl AgentService for AgentSvc {
             return Err(Status::not_found("session not found"));
         }
         self.store.delete_as(&id, self.owner(&principal)).await.map_err(|e: StoreError| status::store_error(&e))?;
-        self.runtime.tracer().delete(&id).await;
-        self.runtime.tracer().flush().await;
+        let runtime = self.live.current();
+        runtime.tracer().delete(&id).await;
+        runtime.tracer().flush().await;
         info!(session_id = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))
     }

@@ -25,7 +25,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("runtime", &["scope", "audit", "events", "hooks", "tools", "model", "session", "trace", "agent"]),
     // The gRPC service: requests in, the one error → status mapping out,
     // who may call, limits, health, dry runs.
-    ("service", &["status", "auth", "limits", "health", "dryrun", "service"]),
+    ("service", &["status", "auth", "limits", "health", "dryrun", "service", "reconfig"]),
     // What the binary adds: the CLI's commands and logging.
     ("binary", &["client", "hookcheck", "example_tools", "logging"]),
 ];

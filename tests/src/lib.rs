@@ -305,6 +305,25 @@ impl Lattice {
         Ok(lattice)
     }
 
+    /// Replaces a process's config file with `config` (as [`Lattice::spawn`]
+    /// wrote it: the test's trace directory and open auth added): `lattice
+    /// serve` reloads a changed file.
+    pub fn rewrite_config(&self, config: &str) {
+        let path = self.scratch.join("lattice.toml");
+        // Written aside and renamed over: never read half-written.
+        let aside = self.scratch.join("lattice.toml.new");
+        std::fs::write(&aside, with_test_keys(config, &self.trace_dir)).unwrap();
+        std::fs::rename(&aside, &path).unwrap();
+    }
+
+    /// Sends the process a signal (`kill -s NAME`).
+    pub fn signal(&self, name: &str) {
+        let (child, _) = self.process.as_ref().expect("a process");
+        let pid = child.0.id().expect("a running process");
+        let ok = std::process::Command::new("kill").args(["-s", name, &pid.to_string()]).status().unwrap().success();
+        assert!(ok, "kill -s {name} {pid}");
+    }
+
     /// A client of a Lattice at `url`, without waiting for anything.
     pub fn remote_unchecked(url: &str) -> Lattice {
         let trace_dir = temp_dir("remote");

@@ -187,8 +187,59 @@ pub struct Runtime {
     pub metrics: Arc<Metrics>,
     /// How every peer's connections behave (the busy poller among them).
     transport: Transport,
-    /// The busy poller, while the runtime lives (`server.busy_poll_us`).
-    busy_poll: Option<BusyPoll>,
+    /// The busy poller, while a runtime that shares it lives
+    /// (`server.busy_poll_us`).
+    busy_poll: Option<Arc<BusyPoll>>,
+}
+
+/// Every agent of `config`: models, hook channels (lazy), tools (see
+/// [`Runtime::build`]).
+async fn build_agents(
+    config: &Config,
+    transport: &Transport,
+    metrics: &Arc<Metrics>,
+) -> Result<(HashMap<String, Arc<AgentRuntime>>, Vec<String>), SetupError> {
+    let mut agents = HashMap::new();
+    let mut order = Vec::new();
+    for def in &config.agents {
+        let server = &config.server;
+        let hooks = HookChain::new(&def.name, &def.hooks, server.hook_max_message_bytes, transport, metrics.clone())
+            .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
+        // Start-up waits for the tool services up to
+        // tool_discovery_timeout; one that hasn't answered by then no
+        // longer stops the server: the agent is discovered later.
+        let mut tools = None;
+        let discover_later_too = match AgentTools::build(def, &config.server, transport).await {
+            Ok(found) => {
+                tools = Some(found);
+                false
+            }
+            Err(e @ ToolSetupError::Discovery { .. }) => {
+                warn!(agent = %def.name, error = %e, "agent not ready: discovering its tools in the background");
+                true
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let chain: Vec<String> =
+            def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
+        info!(agent = %def.name, model = %def.model.label(), hooks = %chain.join(", "), "agent set up");
+        let runtime = Arc::new(AgentRuntime {
+            def: def.clone(),
+            model: model::build(&def.model)?,
+            tools: std::sync::OnceLock::new(),
+            hooks,
+            metrics: AgentMetrics::new(metrics.clone(), def),
+        });
+        if let Some(tools) = tools {
+            runtime.set_tools(tools);
+        }
+        if discover_later_too {
+            tokio::spawn(discover_later(Arc::downgrade(&runtime), config.server.clone(), transport.clone()));
+        }
+        order.push(def.name.clone());
+        agents.insert(def.name.clone(), runtime);
+    }
+    Ok((agents, order))
 }
 
 impl Runtime {
@@ -198,15 +249,13 @@ impl Runtime {
     /// (see [`Runtime::ready`]), and discovered in the background.
     /// Endpoints that can't be used are errors here.
     pub async fn build(config: &Config) -> Result<Self, SetupError> {
-        let mut agents = HashMap::new();
-        let mut order = Vec::new();
         let metrics = Arc::new(Metrics::default());
         let s = &config.server;
-        let busy_poll = s.busy_poll.map(BusyPoll::start);
+        let busy_poll = s.busy_poll.map(|budget| Arc::new(BusyPoll::start(budget)));
         let transport = Transport {
             health_every: s.peer_health_check,
             gather_writes: s.gather_writes,
-            poller: busy_poll.as_ref().map(BusyPoll::poller),
+            poller: busy_poll.as_ref().map(|b| b.poller()),
         };
         let tracer = match &s.trace_dir {
             Some(dir) => Tracer::start(crate::trace::TraceSettings {
@@ -221,51 +270,31 @@ impl Runtime {
         if let Some(dropped) = tracer.dropped() {
             metrics.gauge(crate::metrics::Family::TraceEventsDropped, vec![], dropped);
         }
-        for def in &config.agents {
-            let server = &config.server;
-            let hooks =
-                HookChain::new(&def.name, &def.hooks, server.hook_max_message_bytes, &transport, metrics.clone())
-                    .map_err(|(hook, reason)| SetupError::Hook { agent: def.name.clone(), hook, reason })?;
-            // Start-up waits for the tool services up to
-            // tool_discovery_timeout; one that hasn't answered by then no
-            // longer stops the server: the agent is discovered later.
-            let mut tools = None;
-            let discover_later_too = match AgentTools::build(def, &config.server, &transport).await {
-                Ok(found) => {
-                    tools = Some(found);
-                    false
-                }
-                Err(e @ ToolSetupError::Discovery { .. }) => {
-                    warn!(agent = %def.name, error = %e, "agent not ready: discovering its tools in the background");
-                    true
-                }
-                Err(e) => return Err(e.into()),
-            };
-            let chain: Vec<String> =
-                def.hooks.iter().map(|h| format!("{}{}", h.name, if h.enabled { "" } else { " (disabled)" })).collect();
-            info!(agent = %def.name, model = %def.model.label(), hooks = %chain.join(", "), "agent set up");
-            let runtime = Arc::new(AgentRuntime {
-                def: def.clone(),
-                model: model::build(&def.model)?,
-                tools: std::sync::OnceLock::new(),
-                hooks,
-                metrics: AgentMetrics::new(metrics.clone(), def),
-            });
-            if let Some(tools) = tools {
-                runtime.set_tools(tools);
-            }
-            if discover_later_too {
-                tokio::spawn(discover_later(Arc::downgrade(&runtime), config.server.clone(), transport.clone()));
-            }
-            order.push(def.name.clone());
-            agents.insert(def.name.clone(), runtime);
-        }
+        let (agents, order) = build_agents(config, &transport, &metrics).await?;
         Ok(Self { agents, order, settings: config.server.clone(), tracer, metrics, transport, busy_poll })
+    }
+
+    /// A runtime for a reloaded `config`: its agents (models, hook chains,
+    /// tools) and its server settings, with this one's metrics, trace
+    /// writer, busy poller and connection settings (which need a restart to
+    /// change; the caller keeps the running values in `config`). Queries
+    /// already running keep the runtime they started with.
+    pub async fn reconfigured(&self, config: &Config) -> Result<Self, SetupError> {
+        let (agents, order) = build_agents(config, &self.transport, &self.metrics).await?;
+        Ok(Self {
+            agents,
+            order,
+            settings: config.server.clone(),
+            tracer: self.tracer.clone(),
+            metrics: self.metrics.clone(),
+            transport: self.transport.clone(),
+            busy_poll: self.busy_poll.clone(),
+        })
     }
 
     /// How long the busy poller polls at a time, if the runtime polls.
     pub fn busy_poll_budget(&self) -> Option<Duration> {
-        self.busy_poll.as_ref().map(BusyPoll::budget)
+        self.busy_poll.as_ref().map(|b| b.budget())
     }
 
     /// How the runtime's peers' connections behave.
