@@ -60,6 +60,26 @@ pub struct Options {
     pub max_message_bytes: usize,
     /// Calls at once in the concurrency check.
     pub concurrency: usize,
+    /// The hook's `tools` match condition: its OnToolResult requests name
+    /// the first of them (else "lookup").
+    pub tools: Option<Vec<String>>,
+    /// The hook's `min_messages` match condition: its OnModelRequest
+    /// requests have at least this many messages.
+    pub min_messages: usize,
+}
+
+impl Options {
+    /// The match conditions, as the report shows them.
+    fn conditions(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(tools) = &self.tools {
+            parts.push(format!("tools = {} (tool results of {})", tools.join(","), tools.first().map_or("", |t| t)));
+        }
+        if self.min_messages > 0 {
+            parts.push(format!("min_messages = {}", self.min_messages));
+        }
+        parts.join("; ")
+    }
 }
 
 /// A check's verdict.
@@ -108,6 +128,9 @@ pub struct Report {
     /// The message limit the large calls were sized to
     /// (`--max-message-bytes`: Lattice's `server.hook_max_message_bytes`).
     pub max_message_bytes: usize,
+    /// The match conditions the requests were made to meet (`--tools`,
+    /// `--min-messages`); empty when none.
+    pub conditions: String,
     /// The checks, in the order they ran.
     pub checks: Vec<Finding>,
     /// How many passed.
@@ -125,6 +148,7 @@ impl Report {
             endpoint: options.endpoint.clone(),
             deadline_ms: u64::try_from(options.deadline.as_millis()).unwrap_or(u64::MAX),
             max_message_bytes: options.max_message_bytes,
+            conditions: options.conditions(),
             passed: count(Verdict::Pass),
             warnings: count(Verdict::Warn),
             failed: count(Verdict::Fail),
@@ -144,6 +168,9 @@ impl Report {
              message limit: {} bytes (--max-message-bytes)",
             self.deadline_ms, self.max_message_bytes
         );
+        if !self.conditions.is_empty() {
+            let _ = writeln!(out, "match conditions: {} (as Lattice calls the hook)", self.conditions);
+        }
         for f in &self.checks {
             let _ = writeln!(out, "{}  {:<width$}  {}", f.result.as_str(), f.check, f.detail);
         }
@@ -178,6 +205,25 @@ pub async fn run(options: &Options) -> Result<Report, String> {
     let hooks = || connect().map(|p| HookServiceClient::new(p).max_decoding_message_size(options.max_message_bytes));
     checks.push(timed("health", health(connect()?)).await);
     checks.push(timed("reflection", reflection(connect()?)).await);
+    // Requests as the hook's match conditions let Lattice send them.
+    let tool_name = options.tools.as_ref().and_then(|t| t.first()).cloned().unwrap_or_else(|| "lookup".into());
+    let tool_result_request = |kind: ToolKind, text: &str| {
+        let mut request = requests::tool_result_request(kind, text);
+        request.tool_name = tool_name.clone();
+        request
+    };
+    let min_messages = options.min_messages;
+    let model_request = |turn: u32, messages: Vec<lattice_proto::agent::v1::Message>| {
+        let mut messages = messages;
+        if messages.len() < min_messages {
+            // An earlier conversation, long enough, before the request's
+            // own messages.
+            let mut earlier = conversation(min_messages.div_ceil(2), "an earlier tool's output");
+            earlier.append(&mut messages);
+            messages = earlier;
+        }
+        requests::model_request(turn, messages)
+    };
     if options.tool_result {
         for kind in ToolKind::ALL {
             let request = tool_result_request(kind, "the tool's output");

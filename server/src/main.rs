@@ -176,6 +176,14 @@ enum HookCommand {
         /// Calls at once in the concurrency check.
         #[arg(long, default_value_t = 32)]
         concurrency: usize,
+        /// The hook's `tools` match condition: tool results are sent as
+        /// the first of these tools' (with the tool_result event).
+        #[arg(long, value_delimiter = ',')]
+        tools: Option<Vec<String>>,
+        /// The hook's `min_messages` match condition: model requests have
+        /// at least this many messages (with the model_request event).
+        #[arg(long, default_value_t = 0)]
+        min_messages: usize,
         /// CA certificate(s) (PEM) that sign the hook's certificate (TLS).
         #[arg(long)]
         ca_file: Option<PathBuf>,
@@ -490,6 +498,8 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                     deadline_ms,
                     max_message_bytes,
                     concurrency,
+                    tools,
+                    min_messages,
                     ca_file,
                     cert_file,
                     key_file,
@@ -528,14 +538,26 @@ async fn run_command(cli: Cli, loaded: Option<config::Config>) -> ExitCode {
                 eprintln!("lattice hook check: --events takes tool_result and/or model_request (got {events:?})");
                 return ExitCode::from(EXIT_CONFIG);
             }
+            let (tool_result, model_request) =
+                (events.iter().any(|e| e == "tool_result"), events.iter().any(|e| e == "model_request"));
+            if tools.as_ref().is_some_and(|t| t.is_empty() || !tool_result) {
+                eprintln!("lattice hook check: --tools names at least one tool, and needs the tool_result event");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            if min_messages > 0 && !model_request {
+                eprintln!("lattice hook check: --min-messages needs the model_request event");
+                return ExitCode::from(EXIT_CONFIG);
+            }
             let options = hookcheck::Options {
                 endpoint,
                 tls,
-                tool_result: events.iter().any(|e| e == "tool_result"),
-                model_request: events.iter().any(|e| e == "model_request"),
+                tool_result,
+                model_request,
                 deadline: Duration::from_millis(deadline_ms.max(1)),
                 max_message_bytes,
                 concurrency: concurrency.max(1),
+                tools,
+                min_messages,
             };
             match hookcheck::run(&options).await {
                 Ok(report) => {

@@ -205,3 +205,36 @@ async fn a_hook_with_a_smaller_message_limit_fails_the_large_checks() {
     let (_, detail) = finding(&report, "tool_result/near_limit");
     assert!(detail.contains("over the service's message limit"), "{detail}");
 }
+
+/// A hook's match conditions, given to the check: every tool result it
+/// is sent names the condition's tool, every model request has at least
+/// `--min-messages` messages, and the report says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_check_sends_what_the_match_conditions_let_through() {
+    let hook = HookServer::start(Behaviour::default()).await;
+    let addr = hook.url.trim_start_matches("http://").to_owned();
+    let args = ["--events", "tool_result,model_request", "--tools", "queryDatabase", "--min-messages", "7"];
+    let (_, report) = check(&addr, &args).await;
+    // (This test hook serves no health service: that check alone fails.)
+    let failed: Vec<&str> = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["result"] == "FAIL")
+        .map(|f| f["check"].as_str().unwrap())
+        .collect();
+    assert_eq!(failed, ["health"], "{report:#}");
+    assert!(report["conditions"].as_str().unwrap().contains("tools = queryDatabase"), "{report:#}");
+    let results = hook.state.tool_results();
+    assert!(!results.is_empty() && results.iter().all(|r| r.tool_name == "queryDatabase"));
+    let requests = hook.state.model_requests();
+    assert!(!requests.is_empty() && requests.iter().all(|r| r.messages.len() >= 7));
+
+    // A condition without its event is refused.
+    let out = tokio::process::Command::new(workspace_binary("lattice"))
+        .args(["hook", "check", &addr, "--events", "model_request", "--tools", "x"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -416,3 +416,40 @@ async fn hook_replies_read_as_tonic_reads_them() {
         assert_eq!(ours, theirs, "{what}");
     }
 }
+
+/// A shadow hook is off the query's path: on the paused clock, a fold
+/// whose shadow takes 500 ms takes its primary's 5 ms, and the shadow's
+/// output (its marker) is never applied. Its comparison is counted when it
+/// answers, after the fold.
+#[tokio::test(start_paused = true)]
+async fn a_shadow_never_holds_up_the_chain_and_is_never_applied() {
+    let metrics = Arc::new(Metrics::default());
+    let def = |name: &str, shadow_of: Option<&str>| HookDef {
+        name: name.into(),
+        endpoint: "http://in-process".into(),
+        tls: None,
+        events: HookEvents { tool_result: true, model_request: false },
+        deadline: MS(1000),
+        enabled: true,
+        required: shadow_of.is_none(),
+        tools: None,
+        min_messages: 0,
+        shadow_of: shadow_of.map(Into::into),
+    };
+    let seen = || Arc::new(Mutex::new(Vec::new()));
+    let primary = in_process(Fake { delay: MS(5), marker: "p", seen: seen() });
+    let shadow = in_process(Fake { delay: MS(500), marker: "s", seen: seen() });
+    let peers = vec![(def("shadow", Some("primary")), Peer::over(shadow)), (def("primary", None), Peer::over(primary))];
+    let chain = HookChain::over("agent", peers, 1 << 20, metrics.clone());
+    let (out, took) = fold(&chain, Instant::now() + MS(60_000)).await;
+    assert_eq!(out.unwrap().content, vec!["xp".to_owned()], "only the primary's output is applied");
+    assert_eq!(took, MS(5), "the fold did not wait for the shadow");
+    let counted = || {
+        metrics.render().contains(
+            "lattice_shadow_hook_calls_total{agent=\"agent\",hook=\"shadow\",outcome=\"ok\",agreement=\"different\"} 1",
+        )
+    };
+    assert!(!counted(), "not answered yet");
+    tokio::time::sleep(MS(600)).await;
+    assert!(counted(), "{}", metrics.render());
+}
