@@ -198,11 +198,11 @@ pub fn chain_version(hooks: &[crate::config::HookDef]) -> String {
             h.required
         );
         // Added only when set: a chain without them keeps its version.
-        if let Some(tools) = &h.tools {
+        if let Some(tools) = &h.conditions.tools {
             text += &format!("\ttools={}", tools.join(","));
         }
-        if h.min_messages > 0 {
-            text += &format!("\tmin_messages={}", h.min_messages);
+        if h.conditions.min_messages > 0 {
+            text += &format!("\tmin_messages={}", h.conditions.min_messages);
         }
         if let Some(primary) = &h.shadow_of {
             text += &format!("\tshadow_of={primary}");

@@ -26,7 +26,7 @@ use tonic::Code;
 use tracing::{Instrument, debug, debug_span, info, warn};
 
 use crate::{
-    config::{HookDef, HookEvents},
+    config::{HookDef, HookEvents, MatchConditions},
     convert::{self, DecodeError},
     domain::{JsonObject, Message, ModelRequest, ResultSource, Role, ToolFailure, ToolResult, validate_conversation},
     grpc::code_name,
@@ -92,9 +92,8 @@ struct Hook {
     max_reply: usize,
     /// Whether Lattice is ready only while this hook has a ready address.
     required: bool,
-    /// Its match conditions (see [`HookDef::matches_tool`]).
-    tools: Option<Vec<String>>,
-    min_messages: usize,
+    /// Which values it is called for.
+    conditions: MatchConditions,
     /// Its calls' metrics, per event ([`HookEvent::index`]), made once.
     metrics: [Arc<CallMetric>; 2],
 }
@@ -162,8 +161,7 @@ impl HookChain {
                 events: d.events,
                 deadline: d.deadline,
                 required: d.required,
-                tools: d.tools,
-                min_messages: d.min_messages,
+                conditions: d.conditions,
                 metrics: call_metrics,
                 peer,
             };
@@ -196,23 +194,12 @@ impl HookChain {
         before: String,
         after: Result<Option<String>, &ChainError>,
     ) {
-        let Some(audit) = &step.scope.audit else { return };
         let (outcome, after) = match after {
             Ok(after) => ("ok", Some(after.unwrap_or_else(|| before.clone()))),
             Err(ChainError::Hook(e)) => (e.failure.kind(), None),
             Err(ChainError::QueryDeadline) => ("query_deadline", None),
         };
-        audit.record(crate::audit::AuditEntry {
-            agent: step.scope.agent.clone(),
-            hook: hook.name.clone(),
-            event: event.as_str(),
-            subject: subject.audit_text(),
-            position,
-            outcome,
-            changed: after.as_ref().is_some_and(|a| *a != before),
-            digest_before: before,
-            digest_after: after,
-        });
+        Self::record_entry(step, hook, event, subject, position, outcome, before, after);
     }
 
     /// Records in the query's audit record, if it keeps one, that `hook`'s
@@ -226,6 +213,22 @@ impl HookChain {
         position: u32,
         digest: &str,
     ) {
+        let (before, after) = (digest.to_owned(), Some(digest.to_owned()));
+        Self::record_entry(step, hook, event, subject, position, "not_matched", before, after);
+    }
+
+    /// Adds one entry to the query's audit record, if it keeps one.
+    #[allow(clippy::too_many_arguments)]
+    fn record_entry(
+        step: Step<'_>,
+        hook: &Hook,
+        event: HookEvent,
+        subject: &HookSubject,
+        position: u32,
+        outcome: &'static str,
+        before: String,
+        after: Option<String>,
+    ) {
         let Some(audit) = &step.scope.audit else { return };
         audit.record(crate::audit::AuditEntry {
             agent: step.scope.agent.clone(),
@@ -233,10 +236,10 @@ impl HookChain {
             event: event.as_str(),
             subject: subject.audit_text(),
             position,
-            outcome: "not_matched",
-            changed: false,
-            digest_before: digest.to_owned(),
-            digest_after: Some(digest.to_owned()),
+            outcome,
+            changed: after.as_ref().is_some_and(|a| *a != before),
+            digest_before: before,
+            digest_after: after,
         });
     }
 
@@ -333,7 +336,7 @@ impl HookChain {
         });
         let mut result = Arc::new(result);
         for (position, hook) in self.hooks.iter().filter(|h| h.events.tool_result).enumerate() {
-            if !hook.tools.as_ref().is_none_or(|tools| tools.iter().any(|t| t == call.tool_name)) {
+            if !hook.conditions.matches_tool(call.tool_name) {
                 if let Some(before) = &digest {
                     let (event, position) = (HookEvent::ToolResult, position as u32 + 1);
                     self.audit_not_matched(step, hook, event, &subject(), position, before);
@@ -364,7 +367,7 @@ impl HookChain {
                         result = Arc::new(r);
                     }
                     if !shadows.is_empty() {
-                        let digest = step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default();
+                        let digest = shadow::digest(step);
                         let output = digest.tool_result(&result);
                         shadows.into_iter().for_each(|primary| primary.tell(Some(output.clone())));
                     }
@@ -449,7 +452,7 @@ impl HookChain {
         let mut digest = audit.map(|a| a.digest.model_request(&request));
         for (position, hook) in self.hooks.iter().filter(|h| h.events.model_request).enumerate() {
             let position = position as u32 + 1;
-            if request.messages.len() < hook.min_messages {
+            if !hook.conditions.matches_request(request.messages.len()) {
                 if let Some(before) = &digest {
                     let subject = HookSubject::Turn(step.turn);
                     self.audit_not_matched(step, hook, HookEvent::ModelRequest, &subject, position, before);
@@ -491,7 +494,7 @@ impl HookChain {
                 request.system = Cow::Owned(system);
             }
             if !shadows.is_empty() {
-                let digest = step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default();
+                let digest = shadow::digest(step);
                 let output = digest.model_request_pb(&request.system, (*messages).clone());
                 shadows.into_iter().for_each(|primary| primary.tell(Some(output.clone())));
             }

@@ -11,7 +11,7 @@
 //!   models, deadlines and the hook and tool message limits are swapped at
 //!   once (`ok`). Settings that need a restart (the listen addresses, the
 //!   API's TLS files, `[sessions]`, `[telemetry]`, the worker threads and
-//!   the rest listed in [`RESTART_NEEDED`]) keep their running values;
+//!   the rest named in `keep_running`) keep their running values;
 //!   when one of them changed, the reload says which (`restart_needed`) and
 //!   the rest is applied.
 //!
@@ -31,36 +31,12 @@ use tracing::{info, warn};
 
 use crate::{
     agent::Runtime,
-    config::{self, Config},
+    config::{self, Config, StoreSettings},
     metrics::Family,
 };
 
 /// How often the config file is compared with what was last read.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
-
-/// The settings a reload can't change, by their names in the file.
-pub const RESTART_NEEDED: &[&str] = &[
-    "server.listen",
-    "server.admin_listen",
-    "server.health_listen",
-    "server.tls",
-    "server.max_concurrent_queries",
-    "server.max_message_bytes",
-    "server.trace_dir",
-    "server.trace_queue_events",
-    "server.trace_max_file_bytes",
-    "server.trace_max_age_s",
-    "server.audit_key_env",
-    "server.drain_ms",
-    "server.peer_health_check_ms",
-    "server.worker_threads",
-    "server.busy_poll_us",
-    "server.gather_writes",
-    "server.auth",
-    "server.limits",
-    "sessions",
-    "telemetry",
-];
 
 /// The running runtime and the config it was built from.
 #[derive(Debug)]
@@ -155,8 +131,9 @@ impl Live {
 /// `new`; returns the names of those the file changed since `file`.
 fn keep_running(file: &Config, running: &Config, new: &mut Config) -> Vec<&'static str> {
     let mut changed = Vec::new();
-    // Compared by their debug form (secrets included, never logged: only
-    // the setting's name is).
+    // Compared by their debug form (only the setting's name is logged).
+    // The debug form hides the audit key and the database URL: those two
+    // are compared by value too.
     let mut keep = |name: &'static str, differs: bool| {
         if differs {
             changed.push(name);
@@ -182,7 +159,6 @@ fn keep_running(file: &Config, running: &Config, new: &mut Config) -> Vec<&'stat
         trace_queue_events => "server.trace_queue_events",
         trace_max_file_bytes => "server.trace_max_file_bytes",
         trace_max_age => "server.trace_max_age_s",
-        audit_key => "server.audit_key_env",
         drain => "server.drain_ms",
         peer_health_check => "server.peer_health_check_ms",
         worker_threads => "server.worker_threads",
@@ -191,7 +167,15 @@ fn keep_running(file: &Config, running: &Config, new: &mut Config) -> Vec<&'stat
         auth => "server.auth",
         limits => "server.limits",
     );
-    keep("sessions", format!("{:?}", file.sessions) != format!("{:?}", new.sessions));
+    let key = |c: &Config| c.server.audit_key.as_ref().map(|k| k.0.clone());
+    keep("server.audit_key_env", key(file) != key(new));
+    new.server.audit_key = running.server.audit_key.clone();
+    let url = |c: &Config| match &c.sessions.store {
+        StoreSettings::Postgres(pg) => Some(pg.url.clone()),
+        StoreSettings::Memory => None,
+    };
+    let sessions = format!("{:?}", file.sessions) != format!("{:?}", new.sessions) || url(file) != url(new);
+    keep("sessions", sessions);
     new.sessions = running.sessions.clone();
     keep("telemetry", format!("{:?}", file.telemetry) != format!("{:?}", new.telemetry));
     new.telemetry = running.telemetry.clone();

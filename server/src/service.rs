@@ -49,7 +49,7 @@ pub struct AgentSvc {
 impl AgentSvc {
     /// A service over `live`'s runtime and `store`.
     pub fn new(live: Arc<Live>, store: Arc<dyn SessionStore>, auth: Arc<Authenticator>) -> Self {
-        // Settings a reload does not change (see `reconfig::RESTART_NEEDED`).
+        // Settings a reload does not change (see `reconfig`).
         let runtime = live.current();
         let limit = runtime.settings.max_concurrent_queries;
         let limits = Limits::new(runtime.settings.limits);
@@ -382,8 +382,8 @@ fn agent_to_pb(a: &AgentRuntime) -> pb::Agent {
                 client_certificate: h.tls.as_ref().is_some_and(|t| t.identity.is_some()),
                 ready_addresses: if h.enabled { ready_addresses(&h.name) } else { 0 },
                 required: h.required,
-                tools: h.tools.clone().unwrap_or_default(),
-                min_messages: u32::try_from(h.min_messages).unwrap_or(u32::MAX),
+                tools: h.conditions.tools.clone().unwrap_or_default(),
+                min_messages: u32::try_from(h.conditions.min_messages).unwrap_or(u32::MAX),
                 shadow_of: h.shadow_of.clone().unwrap_or_default(),
             })
             .collect(),

@@ -397,12 +397,8 @@ pub struct HookDef {
     /// Lattice reports NOT_SERVING while this hook has no ready address
     /// (every query of the agent would abort). Never for a shadow hook.
     pub required: bool,
-    /// Match condition: OnToolResult only for these tools' results
-    /// (`tools`); `None`: every tool's.
-    pub tools: Option<Vec<String>>,
-    /// Match condition: OnModelRequest only for requests of at least this
-    /// many messages (`min_messages`); 0: every request.
-    pub min_messages: usize,
+    /// Which values it is called for (`tools`, `min_messages`).
+    pub conditions: MatchConditions,
     /// A shadow hook: the hook whose calls it receives too (`shadow_of`).
     pub shadow_of: Option<String>,
 }
@@ -410,10 +406,28 @@ pub struct HookDef {
 impl HookDef {
     /// Whether its conditions let it see `tool`'s results.
     pub fn matches_tool(&self, tool: &str) -> bool {
+        self.conditions.matches_tool(tool)
+    }
+}
+
+/// A hook entry's match conditions; the default lets every value through.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MatchConditions {
+    /// OnToolResult only for these tools' results (`tools`); `None`: every
+    /// tool's.
+    pub tools: Option<Vec<String>>,
+    /// OnModelRequest only for requests of at least this many messages
+    /// (`min_messages`); 0: every request.
+    pub min_messages: usize,
+}
+
+impl MatchConditions {
+    /// Whether they let a hook see `tool`'s results.
+    pub fn matches_tool(&self, tool: &str) -> bool {
         self.tools.as_ref().is_none_or(|tools| tools.iter().any(|t| t == tool))
     }
 
-    /// Whether its conditions let it see a request of `messages` messages.
+    /// Whether they let a hook see a request of `messages` messages.
     pub fn matches_request(&self, messages: usize) -> bool {
         messages >= self.min_messages
     }

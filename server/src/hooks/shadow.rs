@@ -128,6 +128,12 @@ impl Drop for Primary {
     }
 }
 
+/// How a query's values are digested for a shadow's comparison: as its
+/// audit record digests them, else with SHA-256.
+pub(super) fn digest(step: Step<'_>) -> crate::audit::Digest {
+    step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default()
+}
+
 /// The outcomes a shadow call is counted by.
 const OUTCOMES: [&str; 5] = ["ok", "deadline", "unavailable", "status", "invalid_reply"];
 
@@ -156,7 +162,7 @@ impl HookChain {
     ) -> Vec<Primary> {
         let mut told = Vec::new();
         for shadow in self.shadows_of(primary, HookEvent::ToolResult) {
-            let digest = step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default();
+            let digest = digest(step);
             let (input, id) = (input.clone(), tool_use_id.to_owned());
             let output = move |reply: pb::OnToolResultResponse| match reply.result {
                 Some(r) if r.tool_use_id != id => Err(()),
@@ -183,7 +189,7 @@ impl HookChain {
     ) -> Vec<Primary> {
         let mut told = Vec::new();
         for shadow in self.shadows_of(primary, HookEvent::ModelRequest) {
-            let digest = step.scope.audit.as_ref().map(|a| a.digest.clone()).unwrap_or_default();
+            let digest = digest(step);
             let (system, messages) = (system.to_owned(), messages.clone());
             let output = move |reply: pb::OnModelRequestResponse| {
                 let (replaced, new_system) = accept_model_request(reply).map_err(drop)?;

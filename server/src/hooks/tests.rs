@@ -83,8 +83,7 @@ fn chain(hooks: &[(&'static str, Duration, Duration)]) -> (HookChain, Vec<Arc<Mu
             deadline: *deadline,
             enabled: true,
             required: true,
-            tools: None,
-            min_messages: 0,
+            conditions: Default::default(),
             shadow_of: None,
         };
         let channel = in_process(Fake { delay: *delay, marker, seen: log.clone() });
@@ -214,8 +213,7 @@ fn replicated(channels: Vec<Channel>, deadline: Duration) -> (HookChain, Peer) {
         deadline,
         enabled: true,
         required: true,
-        tools: None,
-        min_messages: 0,
+        conditions: Default::default(),
         shadow_of: None,
     };
     let peer = Peer::over_all(channels);
@@ -432,8 +430,7 @@ async fn a_shadow_never_holds_up_the_chain_and_is_never_applied() {
         deadline: MS(1000),
         enabled: true,
         required: shadow_of.is_none(),
-        tools: None,
-        min_messages: 0,
+        conditions: Default::default(),
         shadow_of: shadow_of.map(Into::into),
     };
     let seen = || Arc::new(Mutex::new(Vec::new()));

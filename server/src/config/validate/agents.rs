@@ -175,8 +175,7 @@ impl Validator<'_> {
                 // A shadow hook never aborts a query, so never holds the
                 // replica out of rotation either.
                 required: h.required && shadow_of.is_none(),
-                tools,
-                min_messages,
+                conditions: MatchConditions { tools, min_messages },
                 shadow_of: shadow_of.map(|(_, name)| name),
             });
         }
@@ -202,7 +201,7 @@ impl Validator<'_> {
             {
                 let message = format!("a shadow hook's events must be among {primary:?}'s");
                 self.problem(Some(events_span), at(&format!("hooks[{j}].events")), message);
-            } else if shadow.tools.is_some() || shadow.min_messages > 0 {
+            } else if shadow.conditions != MatchConditions::default() {
                 let message =
                     format!("a shadow hook takes its conditions from {primary:?}: leave tools and min_messages out");
                 self.problem(Some(span), &f, message);
