@@ -11,11 +11,12 @@
 # Python 3 with its venv module, and, for the container tests, a running
 # Docker engine.
 #
-# - Python packages (grpcurl, the Python example hook's grpcio, the metrics
-#   parser, the Kubernetes schema validator) go into a virtual environment,
-#   .venv/ at the top of the checkout, never into the system's Python; it is
-#   refreshed when tests/requirements.txt changes. Put .venv/bin first on
-#   PATH to use them by hand (tests/run.sh does).
+# - Python packages (grpcurl, grpcio, the metrics parser, the Kubernetes
+#   schema validator) and the hook package hook-sdk/python go into a virtual
+#   environment, .venv/ at the top of the checkout, never into the system's
+#   Python; it is refreshed when tests/requirements.txt or the package's
+#   files change. Put .venv/bin first on PATH to use them by hand
+#   (tests/run.sh does).
 # - Debian packages (needs root, or sudo): PostgreSQL's server for the
 #   session-store tests, PgBouncer, Go with grpc-go and the protoc plugins
 #   for the Go example hook (built from Debian's packages alone, no module
@@ -36,7 +37,13 @@ say() { echo "setup: $*"; }
 venv=.venv
 requirements=tests/requirements.txt
 stamp="$venv/.lattice-requirements"
-wanted="$(cat "$requirements" hook-sdk/examples/python/requirements.txt | sha256sum | cut -d' ' -f1)"
+package=hook-sdk/python
+wanted="$({
+  cat "$requirements"
+  find "$package" \( -name build -o -name '*.egg-info' -o -name __pycache__ \) -prune -o -type f -print |
+    LC_ALL=C sort | xargs sha256sum
+  sha256sum proto/lattice/agent/v1/content.proto proto/lattice/hooks/v1/hooks.proto
+} | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   if [ ! -x "$venv/bin/python3" ]; then
     say "creating the Python virtual environment $venv"
@@ -47,6 +54,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   fi
   say "installing Python packages into $venv (tests/requirements.txt)"
   "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check -r "$requirements"
+  say "installing the hook package $package into $venv"
+  rm -rf "$package/build" # pip builds in the tree: nothing stale goes in
+  "$venv/bin/python3" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "./$package"
   echo "$wanted" >"$stamp"
 fi
 

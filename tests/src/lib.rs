@@ -1008,8 +1008,9 @@ pub async fn start_example_tools() -> (String, oneshot::Sender<()>) {
     (format!("http://{addr}"), tx)
 }
 
-/// Starts the Python example hook (its code generated now from the .proto
-/// with grpcio-tools) on a free loopback port; returns its URL and process.
+/// Starts the Python example hook (on the `lattice_hook` package, which
+/// `tests/setup.sh` installs into `.venv`) on a free loopback port; returns
+/// its URL and process.
 pub async fn start_python_hook() -> (String, Child) {
     start_python_hook_with(&[]).await
 }
@@ -1027,24 +1028,11 @@ pub async fn start_python_hook_logging(args: &[&str], log: &Path) -> (String, Ch
 
 async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let gen_dir = temp_dir("pygen");
     let example = workspace_root().join("hook-sdk/examples/python");
-    let status = tokio::process::Command::new("bash")
-        .arg(example.join("generate.sh"))
-        .arg(&gen_dir)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .await
-        .expect("bash");
-    assert!(
-        status.success(),
-        "generating the Python code failed: run `pip install -r hook-sdk/examples/python/requirements.txt`"
-    );
     let mut child = tokio::process::Command::new("python3")
         .arg(example.join("redact_hook.py"))
-        .args(["--listen", "127.0.0.1:0"])
+        .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
         .args(args)
-        .env("LATTICE_PY_GEN", &gen_dir)
         .stdout(std::process::Stdio::piped())
         .stderr(stderr)
         .kill_on_drop(true)
@@ -1061,10 +1049,11 @@ async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Chi
     (format!("{scheme}://127.0.0.1:{port}"), Child(child))
 }
 
-/// Builds the Go example hook (`hook-sdk/examples/go/build.sh`, from the
-/// .proto and Debian's Go packages; once per test process, into the debug
-/// build's directory, where the next build replaces it) and starts it on a
-/// free loopback port with extra arguments; returns its URL and process.
+/// Builds the Go example hook (on the latticehook package, with
+/// `hook-sdk/go/build.sh`, from the .proto and Debian's Go packages; once
+/// per test process, into the debug build's directory, where the next
+/// build replaces it) and starts it on a free loopback port with extra
+/// arguments; returns its URL and process.
 pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
@@ -1075,7 +1064,8 @@ pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
             // process may be running the previous build.
             let partial = out.with_extension(std::process::id().to_string());
             let build = tokio::process::Command::new("bash")
-                .arg(workspace_root().join("hook-sdk/examples/go/build.sh"))
+                .arg(workspace_root().join("hook-sdk/go/build.sh"))
+                .arg(workspace_root().join("hook-sdk/examples/go"))
                 .arg(&partial)
                 .output()
                 .await
