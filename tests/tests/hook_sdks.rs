@@ -170,3 +170,55 @@ async fn the_go_example_loses_no_call_to_sigterm() {
     let (url, child) = start_go_hook(&["--drain-ms", "2000"]).await;
     sigterm_under_load_loses_no_call(url, child).await;
 }
+
+/// The code block of `language` in `page` that starts with `first_line`.
+fn code_block(page: &str, language: &str, first_line: &str) -> String {
+    let text = std::fs::read_to_string(workspace_root().join("docs").join(page)).unwrap();
+    let start = text.find(&format!("```{language}\n{first_line}")).unwrap_or_else(|| panic!("{page}: no block"));
+    let body = &text[start + language.len() + 4..];
+    body[..body.find("```").unwrap()].to_owned()
+}
+
+/// Starts `command` and reads its first line, `listening on PORT`.
+async fn start_listening(mut command: tokio::process::Command) -> (u16, Child) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first =
+        tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.expect("started").unwrap().unwrap();
+    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("first line {first:?}")).parse().unwrap();
+    (port, Child(child))
+}
+
+/// "Writing a hook" in Python and in Go end with a hook passing `lattice
+/// hook check`: the pages' code, as written, does.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_writing_a_hook_pages_end_with_a_passing_check() {
+    let dir = temp_dir("writing-a-hook");
+    std::fs::write(dir.join("cap_results.py"), code_block("writing-a-hook-python.md", "python", "import")).unwrap();
+    std::fs::create_dir_all(dir.join("cap-results")).unwrap();
+    std::fs::write(dir.join("cap-results/main.go"), code_block("writing-a-hook-go.md", "go", "package main")).unwrap();
+    let binary = dir.join("cap-results-hook");
+    let go_dir = dir.join("cap-results");
+    run("bash", &["hook-sdk/go/build.sh", go_dir.to_str().unwrap(), binary.to_str().unwrap()]).await;
+    let mut python = tokio::process::Command::new("python3");
+    python.arg(dir.join("cap_results.py")).args(["--listen", "127.0.0.1:0"]);
+    let mut go = tokio::process::Command::new(&binary);
+    go.args(["--listen", "127.0.0.1:0"]);
+    for (name, command) in [("python", python), ("go", go)] {
+        let (port, _hook) = start_listening(command).await;
+        let out = tokio::process::Command::new(lattice_tests::workspace_binary("lattice"))
+            .args(["hook", "check", &format!("127.0.0.1:{port}"), "--events", "tool_result"])
+            .output()
+            .await
+            .unwrap();
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name}:\n{report}");
+        assert!(report.contains("11 passed, 0 warning(s), 0 failed"), "{name}:\n{report}");
+    }
+}

@@ -55,7 +55,7 @@ class TextFormatter(logging.Formatter):
             fields["trace_id"] = trace.trace_id
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         parts = [f"{stamp}.{int(record.msecs):03d}Z", record.levelname, _escape(record.getMessage())]
-        parts += [f"{k}={_escape(str(v))}" for k, v in fields.items()]
+        parts += [f"{k}={_escape(str(v).lower() if isinstance(v, bool) else str(v))}" for k, v in fields.items()]
         return " ".join(parts)
 
 
