@@ -67,11 +67,13 @@ def trace_of(metadata: Iterable[tuple[str, Any]] | None) -> Optional[TraceParent
 
 
 class _Call:
-    __slots__ = ("request", "_metadata", "_trace")
+    __slots__ = ("request", "_context", "_trace")
 
-    def __init__(self, request: Any, metadata: Any = None) -> None:
+    def __init__(self, request: Any, context: Any = None) -> None:
+        """`context` is the call's grpc context, or its metadata (pairs of
+        key and value), or None."""
         self.request = request
-        self._metadata = metadata
+        self._context = context
         self._trace: Any = False
 
     @property
@@ -84,7 +86,10 @@ class _Call:
     def trace(self) -> Optional[TraceParent]:
         """The trace this call belongs to, when Lattice exports traces."""
         if self._trace is False:
-            self._trace = trace_of(self._metadata)
+            # Read when first asked for: most calls never are.
+            context = self._context
+            metadata = context.invocation_metadata() if hasattr(context, "invocation_metadata") else context
+            self._trace = trace_of(metadata)
         return self._trace
 
 

@@ -14,8 +14,14 @@ from lattice_hook._calls import TraceParent
 
 logger = logging.getLogger("lattice_hook")
 
-# The trace context of the call being served, for log lines written during it.
-current_trace: contextvars.ContextVar[Optional[TraceParent]] = contextvars.ContextVar("lattice_hook_trace", default=None)
+# The call being served, for the trace context of log lines written during it.
+current_call: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("lattice_hook_call", default=None)
+
+
+def current_trace() -> Optional[TraceParent]:
+    """The trace context of the call being served, if any."""
+    call = current_call.get()
+    return call.trace if call is not None else None
 
 
 def log(message: str, level: int = logging.INFO, **fields: Any) -> None:
@@ -37,7 +43,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
         }
         line.update(getattr(record, "lattice_fields", {}))
-        trace = current_trace.get()
+        trace = current_trace()
         if trace is not None:
             line["trace_id"] = trace.trace_id
             line["parent_span_id"] = trace.parent_span_id
@@ -50,7 +56,7 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         fields = dict(getattr(record, "lattice_fields", {}))
-        trace = current_trace.get()
+        trace = current_trace()
         if trace is not None:
             fields["trace_id"] = trace.trace_id
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

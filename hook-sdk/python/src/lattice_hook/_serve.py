@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lattice_hook._calls import ModelRequestCall, ModelRequestChange, ToolResultBlock, ToolResultCall, with_text
-from lattice_hook._logs import current_trace, init_logs, log
+from lattice_hook._logs import current_call, init_logs, log
 from lattice_hook.pb.lattice.hooks.v1 import hooks_pb2
 
 SERVICE = "lattice.hooks.v1.HookService"
@@ -182,8 +182,8 @@ def _sync_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Call
     text_reply = rpc == "OnToolResult"
 
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
-        call = make_call(request, context.invocation_metadata())
-        token = current_trace.set(call.trace)
+        call = make_call(request, context)
+        token = current_call.set(call)
         try:
             out = fn(call)
             if text_reply and isinstance(out, str):
@@ -195,7 +195,7 @@ def _sync_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Call
             _failed(rpc, e)
             context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         finally:
-            current_trace.reset(token)
+            current_call.reset(token)
 
     return handle
 
@@ -209,8 +209,8 @@ def _async_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Cal
     text_reply = rpc == "OnToolResult"
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        call = make_call(request, context.invocation_metadata())
-        current_trace.set(call.trace)  # each call is a task of its own
+        call = make_call(request, context)
+        current_call.set(call)  # each call is a task of its own
         try:
             out = await fn(call)
             if text_reply and isinstance(out, str):
@@ -225,11 +225,9 @@ def _async_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Cal
     return handle
 
 
-def service_handler(hook: Any, asynchronous: bool = False) -> grpc.GenericRpcHandler:
-    """The gRPC handler of `lattice.hooks.v1.HookService` for `hook`, to add
-    to a server of your own."""
+def _method_handlers(hook: Any, asynchronous: bool) -> dict[str, grpc.RpcMethodHandler]:
     make = _async_handler if asynchronous else _sync_handler
-    methods = {
+    return {
         "OnToolResult": grpc.unary_unary_rpc_method_handler(
             make("OnToolResult", getattr(hook, "on_tool_result", None), ToolResultCall, _tool_result_reply),
             request_deserializer=hooks_pb2.OnToolResultRequest.FromString,
@@ -241,7 +239,20 @@ def service_handler(hook: Any, asynchronous: bool = False) -> grpc.GenericRpcHan
             response_serializer=hooks_pb2.OnModelRequestResponse.SerializeToString,
         ),
     }
-    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+def service_handler(hook: Any, asynchronous: bool = False) -> grpc.GenericRpcHandler:
+    """The gRPC handler of `lattice.hooks.v1.HookService` for `hook`, to add
+    to a server of your own (`server.add_generic_rpc_handlers((h,))`)."""
+    return grpc.method_handlers_generic_handler(SERVICE, _method_handlers(hook, asynchronous))
+
+
+def _add_service(server: Any, hook: Any, asynchronous: bool) -> None:
+    """Adds the hook service as generated code does: also as registered
+    methods, which grpc dispatches without searching its handlers."""
+    handlers = _method_handlers(hook, asynchronous)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 # --- The server ---------------------------------------------------------------
@@ -315,7 +326,7 @@ def serve(
     limit = max_message_bytes or message_limit()
     drain = drain_seconds() if drain is None else drain
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_options(limit))
-    server.add_generic_rpc_handlers((service_handler(hook),))
+    _add_service(server, hook, asynchronous=False)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICES, server)
@@ -357,7 +368,7 @@ async def serve_async(
     limit = max_message_bytes or message_limit()
     drain = drain_seconds() if drain is None else drain
     server = grpc.aio.server(options=_options(limit))
-    server.add_generic_rpc_handlers((service_handler(hook, asynchronous=True),))
+    _add_service(server, hook, asynchronous=True)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICES, server)
