@@ -209,15 +209,13 @@ func TraceFrom(ctx context.Context) *TraceParent {
 	return t
 }
 
-func withTrace(ctx context.Context) (context.Context, *TraceParent) {
+// withTrace is ctx with the trace context of its incoming traceparent.
+func withTrace(ctx context.Context) context.Context {
 	md, _ := metadata.FromIncomingContext(ctx)
-	values := md.Get("traceparent")
-	if len(values) == 0 {
-		return ctx, nil
+	if values := md.Get("traceparent"); len(values) > 0 {
+		if t := ParseTraceParent(values[0]); t != nil {
+			return context.WithValue(ctx, traceKey{}, t)
+		}
 	}
-	t := ParseTraceParent(values[0])
-	if t == nil {
-		return ctx, nil
-	}
-	return context.WithValue(ctx, traceKey{}, t), t
+	return ctx
 }

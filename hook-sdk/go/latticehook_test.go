@@ -164,14 +164,22 @@ func TestLargeRequestsAndTraceContext(t *testing.T) {
 	if _, err := s.call(t, ctx, "traced"); err != nil {
 		t.Fatal(err)
 	}
-	var traced string
+	if _, err := s.call(t, ctx, "boom"); status.Code(err) != codes.Internal {
+		t.Fatalf("boom: %v", err)
+	}
+	var traced, panicked string
 	for _, line := range strings.Split(logs.String(), "\n") {
 		if strings.Contains(line, `"bytes":6`) {
 			traced = line
 		}
+		if strings.Contains(line, "the hook panicked") {
+			panicked = line
+		}
 	}
-	if !strings.Contains(traced, `"trace_id":"4bf92f3577b34da6a3ce929d0e0e4736"`) || !strings.Contains(traced, `"parent_span_id":"00f067aa0ba902b7"`) {
-		t.Fatalf("the call's log line has no trace: %q", traced)
+	for _, line := range []string{traced, panicked} {
+		if !strings.Contains(line, `"trace_id":"4bf92f3577b34da6a3ce929d0e0e4736"`) || !strings.Contains(line, `"parent_span_id":"00f067aa0ba902b7"`) {
+			t.Fatalf("a call's log line has no trace: %q", line)
+		}
 	}
 }
 

@@ -160,7 +160,7 @@ func Serve(ctx context.Context, hook interface{}, addr string, opts ...Option) e
 		}
 	}
 	serverOpts := []grpc.ServerOption{
-		grpc.MaxRecvMsgSize(o.limit), grpc.MaxSendMsgSize(o.limit), grpc.UnaryInterceptor(recoverPanics),
+		grpc.MaxRecvMsgSize(o.limit), grpc.MaxSendMsgSize(o.limit), grpc.UnaryInterceptor(intercept),
 	}
 	if o.tls != nil {
 		serverOpts = append(serverOpts, grpc.Creds(credentials.NewTLS(o.tls)))
@@ -293,8 +293,7 @@ func (s *service) OnToolResult(ctx context.Context, req *hooksv1.OnToolResultReq
 	if s.toolResult == nil {
 		return nil, status.Error(codes.Unimplemented, "this hook does not handle tool results: register it for the model_request event only")
 	}
-	ctx, trace := withTrace(ctx)
-	out, err := s.toolResult(ctx, &ToolResultCall{OnToolResultRequest: req, Trace: trace})
+	out, err := s.toolResult(ctx, &ToolResultCall{OnToolResultRequest: req, Trace: TraceFrom(ctx)})
 	if err != nil {
 		return nil, callError(ctx, "OnToolResult", err)
 	}
@@ -305,8 +304,7 @@ func (s *service) OnModelRequest(ctx context.Context, req *hooksv1.OnModelReques
 	if s.modelRequest == nil {
 		return nil, status.Error(codes.Unimplemented, "this hook does not handle model requests: register it for the tool_result event only")
 	}
-	ctx, trace := withTrace(ctx)
-	change, err := s.modelRequest(ctx, &ModelRequestCall{OnModelRequestRequest: req, Trace: trace})
+	change, err := s.modelRequest(ctx, &ModelRequestCall{OnModelRequestRequest: req, Trace: TraceFrom(ctx)})
 	if err != nil {
 		return nil, callError(ctx, "OnModelRequest", err)
 	}
@@ -337,9 +335,11 @@ func callError(ctx context.Context, rpc string, err error) error {
 	return status.Error(codes.Internal, "the hook returned an error")
 }
 
-// recoverPanics answers a panic with INTERNAL, "the hook panicked", and
-// logs where it happened, never the panic's value.
-func recoverPanics(ctx context.Context, req interface{}, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp interface{}, err error) {
+// intercept puts the call's trace context into its context (TraceFrom),
+// and answers a panic with INTERNAL, "the hook panicked", logging where
+// it happened, never the panic's value.
+func intercept(ctx context.Context, req interface{}, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp interface{}, err error) {
+	ctx = withTrace(ctx)
 	defer func() {
 		if r := recover(); r != nil {
 			where := ""

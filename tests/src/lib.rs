@@ -1053,7 +1053,8 @@ async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Chi
 /// `hook-sdk/go/build.sh`, from the .proto and Debian's Go packages; once
 /// per test process, into the debug build's directory, where the next
 /// build replaces it) and starts it on a free loopback port with extra
-/// arguments; returns its URL and process.
+/// arguments; returns its URL (`https://` when they include `--tls-cert`)
+/// and process.
 pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
@@ -1095,7 +1096,8 @@ pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
         .unwrap()
         .unwrap();
     let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
-    (format!("http://127.0.0.1:{port}"), Child(child))
+    let scheme = if args.contains(&"--tls-cert") { "https" } else { "http" };
+    (format!("{scheme}://127.0.0.1:{port}"), Child(child))
 }
 
 /// A tonic server running in the background on a bound listener; it stops

@@ -172,8 +172,8 @@ async fn bad_tls_settings_are_refused_at_start_up() {
     let _ = std::fs::remove_file(garbage);
 }
 
-/// The `redact` examples, Rust and Python, serve mutual TLS from PEM files
-/// given as flags.
+/// The `redact` examples, Rust, Python and Go, serve mutual TLS from PEM
+/// files given as flags.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_redact_examples_serve_mutual_tls() {
     let ca = TestCa::new("example");
@@ -190,8 +190,9 @@ async fn the_redact_examples_serve_mutual_tls() {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let (rust, _rust) = lattice_tests::start_example("redact", &flags).await;
     let (python, _python) = lattice_tests::start_python_hook_with(&flags).await;
-    assert!(python.starts_with("https://"));
-    for endpoint in [rust.replace("http://", "https://"), python] {
+    let (go, _go) = lattice_tests::start_go_hook(&flags).await;
+    assert!(python.starts_with("https://") && go.starts_with("https://"));
+    for endpoint in [rust.replace("http://", "https://"), python, go] {
         redact_over_mutual_tls(&ca, &client, &endpoint).await;
     }
 }

@@ -247,6 +247,21 @@ class DrainTest(unittest.TestCase):
         self.check(AsyncUpper())
 
 
+class LogsTest(unittest.TestCase):
+    def test_a_logged_exception_is_kept_and_text_lines_stay_on_their_line(self):
+        with Captured() as logs:
+            try:
+                raise ValueError("bad")
+            except ValueError:
+                logging.getLogger("hook").exception("failed")
+        (line,) = logs.lines()
+        self.assertEqual(line["level"], "error")
+        self.assertIn("ValueError: bad", line["exception"])
+        record = logging.LogRecord("hook", logging.INFO, "f", 1, "two\nlines", None, None)
+        record.lattice_fields = {"id": "a\nb", "ok": True}
+        self.assertEqual(lh._logs.TextFormatter().format(record).split(" ", 2)[2], "two\\nlines id=a\\nb ok=true")
+
+
 class HookTest(unittest.TestCase):
     def test_functions_and_mixtures(self):
         self.assertFalse(lh._serve.is_async(lh.hook(on_tool_result=lambda call: None)))

@@ -47,6 +47,8 @@ class JsonFormatter(logging.Formatter):
         if trace is not None:
             line["trace_id"] = trace.trace_id
             line["parent_span_id"] = trace.parent_span_id
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
 
 
@@ -62,6 +64,8 @@ class TextFormatter(logging.Formatter):
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         parts = [f"{stamp}.{int(record.msecs):03d}Z", record.levelname, _escape(record.getMessage())]
         parts += [f"{k}={_escape(str(v).lower() if isinstance(v, bool) else str(v))}" for k, v in fields.items()]
+        if record.exc_info:
+            parts.append("exception=" + _escape(self.formatException(record.exc_info)))
         return " ".join(parts)
 
 
