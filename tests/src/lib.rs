@@ -4,6 +4,7 @@
 //! run a query and look for a canary secret in every sink.
 
 pub mod bad_hook;
+pub mod bench;
 pub mod containers;
 pub mod fake_api;
 pub mod hook;

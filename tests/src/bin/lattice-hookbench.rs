@@ -42,12 +42,11 @@
 //! ```
 
 use std::{
-    collections::BTreeMap,
     fmt::Write as _,
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
+    process::{Command, Stdio},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -56,7 +55,10 @@ use lattice_proto::{
     hooks::v1::{self as hpb, hook_service_client::HookServiceClient},
     tools::v1::{self as tpb, tool_service_client::ToolServiceClient},
 };
-use lattice_tests::cfg;
+use lattice_tests::{
+    bench::{Killed, cpu},
+    cfg,
+};
 use tonic::transport::{Channel, Endpoint};
 
 const KIB: usize = 1024;
@@ -71,22 +73,15 @@ const CHAINS: [usize; 3] = [1, 3, 8];
 /// Payload sizes of the payload rows.
 const SIZES: [usize; 4] = [KIB, 64 * KIB, MIB, 16 * MIB];
 
-/// A child process, killed when dropped.
+/// A peer process (killed when dropped) and its address.
 struct Proc {
-    child: Child,
+    child: Killed,
     addr: SocketAddr,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Proc {
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.pid()
     }
 }
 
@@ -120,26 +115,7 @@ fn spawn(bin: &Path, args: &[String], addr: SocketAddr, env: &[(String, String)]
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
-    Proc { child, addr }
-}
-
-/// CPU time of a process so far, all its threads, in nanoseconds
-/// (`/proc/PID/task/TID/schedstat`). `/proc/PID/stat` counts 10 ms ticks,
-/// which at a thousand queries a row moved one hook's share by up to 20 µs.
-/// A thread that has exited keeps the time last read for it.
-fn cpu(pid: u32) -> Duration {
-    static SEEN: Mutex<BTreeMap<(u32, u32), u64>> = Mutex::new(BTreeMap::new());
-    let mut seen = SEEN.lock().unwrap();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
-        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
-            continue;
-        };
-        let schedstat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
-        if let Some(ns) = schedstat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) {
-            seen.insert((pid, tid), ns);
-        }
-    }
-    Duration::from_nanos(seen.range((pid, 0)..=(pid, u32::MAX)).map(|(_, ns)| ns).sum())
+    Proc { child: Killed(child), addr }
 }
 
 /// The machine's idle time so far, all cores together (`/proc/stat`:

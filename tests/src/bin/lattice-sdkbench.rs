@@ -12,11 +12,15 @@
 //! - **rust-sdk**: this binary serving the hook with `lattice-hook-sdk`
 //!   (`--serve-rust-hook`; tokio's default runtime).
 //!
+//! It also times one call's Python work in-process
+//! (`tests/bench/handler_cost.py`: the package's handler against the bare
+//! servicer method), which the transport's run-to-run spread would hide.
+//!
 //! A tonic client makes OnToolResult calls over one HTTP/2 connection, as
 //! Lattice does, from 1 and 16 concurrent tasks, for `--secs` per
 //! measurement, in `--rounds` rounds whose order of peers rotates. Each
 //! reply is checked. It prints the median calls/s, the peer's CPU per call
-//! (`/proc/PID/stat`), and the ratios the SDKs answer for: python-sdk ÷
+//! (`/proc/PID/task/*/schedstat`), and the ratios the SDKs answer for: python-sdk ÷
 //! python-bare and go-sdk ÷ rust-sdk. Numbers are printed, never asserted.
 //!
 //! ```text
@@ -28,7 +32,7 @@
 use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -41,6 +45,7 @@ use lattice_proto::{
     agent::v1::{TextBlock, ToolResultBlock as WireBlock},
     hooks::v1::{OnToolResultRequest, hook_service_client::HookServiceClient},
 };
+use lattice_tests::bench::{Killed, cpu};
 use tonic::transport::Endpoint;
 
 struct Upper;
@@ -52,18 +57,11 @@ impl Hook for Upper {
     }
 }
 
-/// A hook process, stopped (SIGKILL) when dropped.
+/// A hook process (killed when dropped).
 struct Peer {
     name: &'static str,
     url: String,
-    child: Child,
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    child: Killed,
 }
 
 impl Peer {
@@ -77,26 +75,13 @@ impl Peer {
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("a first line");
         let port = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("{name} printed {line:?}"));
-        Peer { name, url: format!("http://127.0.0.1:{port}"), child }
+        Peer { name, url: format!("http://127.0.0.1:{port}"), child: Killed(child) }
     }
 
-    /// CPU time the process has used (user + system).
+    /// CPU time the process has used.
     fn cpu(&self) -> Duration {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
-        // Fields after the command name, which is in parentheses.
-        let fields: Vec<&str> =
-            stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
-        let ticks: u64 = fields.get(11..13).map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum()).unwrap_or(0);
-        Duration::from_millis(ticks * 1000 / clock_ticks())
+        cpu(self.child.pid())
     }
-}
-
-fn clock_ticks() -> u64 {
-    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        let out = Command::new("getconf").arg("CLK_TCK").output().ok();
-        out.and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok()).unwrap_or(100)
-    })
 }
 
 fn root() -> PathBuf {
@@ -228,6 +213,23 @@ async fn main() {
             medians[ci][i] = median(rates.clone());
             println!("| {c} | {} | {:.0} | {lo:.0}–{hi:.0} | {:.0} |", peer.name, medians[ci][i], median(cpus.clone()));
         }
+    }
+    // The package's own share of a Python call, without the transport's
+    // noise: its handler against the bare servicer method, in-process.
+    let handler = Command::new("python3")
+        .arg(root().join("tests/bench/handler_cost.py"))
+        .arg(payload.len().to_string())
+        .output()
+        .expect("python3");
+    let costs = String::from_utf8_lossy(&handler.stdout);
+    let costs: Vec<f64> = costs.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+    if let [sdk, bare] = costs[..] {
+        println!();
+        println!(
+            "one call's Python work, in-process (deserialize, hook, serialize; best of 5 × 50,000): \
+             package {sdk:.2} µs, bare servicer {bare:.2} µs: the package adds {:.2} µs",
+            sdk - bare
+        );
     }
     println!();
     println!("| clients | python-sdk ÷ python-bare | go-sdk ÷ rust-sdk |");
