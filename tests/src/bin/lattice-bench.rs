@@ -15,7 +15,12 @@
 //! through it must read it about once). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
 //!
-//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,providers,stores,commits,pages]`
+//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores]`
+//!
+//! `--split-cores` runs the session store's rows with this process (Lattice
+//! and its clients) on core 0 and PostgreSQL's processes on core 1, as with
+//! the database on machines of its own: the memory store's rows then have
+//! one core too.
 
 use std::time::{Duration, Instant};
 
@@ -79,7 +84,7 @@ async fn main() {
         provider_sessions("openai").await;
     }
     if section("stores") {
-        stores(queries).await;
+        stores(queries, args.iter().any(|a| a == "--split-cores")).await;
     }
     if section("commits") {
         commits().await;
@@ -268,7 +273,7 @@ async fn session_growth(
 
 /// Query latency and throughput by session store and concurrency: each
 /// client continues a session of its own.
-async fn stores(queries: usize) {
+async fn stores(queries: usize, split_cores: bool) {
     let cluster = Cluster::shared().await;
     let database = cluster.database().await;
     // TLS: a cluster of its own, accepting TLS only, reached with
@@ -277,9 +282,19 @@ async fn stores(queries: usize) {
     let leaf = ca.issue("127.0.0.1");
     let tls_cluster = Cluster::tls_only(&leaf.cert_pem, &leaf.key_pem).await;
     let tls_url = format!("{}?sslmode=verify-full&sslrootcert={}", tls_cluster.database().await, ca.file.display());
+    // Every core, read before any pinning (which the count follows).
+    let all_cores = format!("0-{}", std::thread::available_parallelism().map_or(1, |n| n.get()) - 1);
+    if split_cores {
+        // Backends forked later inherit their postmaster's core.
+        pin(std::process::id(), "0");
+        postgres_pids().into_iter().for_each(|pid| pin(pid, "1"));
+    }
     let round_trip = bare_round_trip(&database).await;
     println!();
     println!("session store: each client continuing a session of its own (1 model request a query, no trace)");
+    if split_cores {
+        println!("split cores: Lattice and its clients on core 0, PostgreSQL on core 1");
+    }
     println!("a bare statement round trip (SELECT 1, plaintext, p50 of 2,000): {round_trip:.2?}");
     println!("{:>12} {:>8} {:>9} {:>10} {:>10} {:>12}", "store", "clients", "messages", "p50", "p99", "queries/s");
     // (p50 at 1 client, queries/s at 16, and at 16 the CPU per query of
@@ -374,18 +389,35 @@ async fn stores(queries: usize) {
             100.0 * memory_cpu.as_secs_f64() / ours.as_secs_f64().max(1e-9)
         );
     }
+    if split_cores {
+        pin(std::process::id(), &all_cores);
+        postgres_pids().into_iter().for_each(|pid| pin(pid, &all_cores));
+    }
 }
 
-/// CPU time of every PostgreSQL server process on this machine so far.
-fn postgres_cpu() -> Duration {
+/// Every PostgreSQL server process on this machine.
+fn postgres_pids() -> Vec<u32> {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres"))
-        .map(cpu)
-        .sum()
+        .collect()
+}
+
+/// CPU time of every PostgreSQL server process on this machine so far.
+fn postgres_cpu() -> Duration {
+    postgres_pids().into_iter().map(cpu).sum()
+}
+
+/// Puts every thread of process `pid` on `cores` (`taskset`'s list).
+fn pin(pid: u32, cores: &str) {
+    let status = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", cores, &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status();
+    assert!(status.is_ok_and(|s| s.success()), "taskset could not pin process {pid} to cores {cores}");
 }
 
 /// The p50 of a bare statement round trip to the database at `url`
