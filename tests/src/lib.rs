@@ -443,6 +443,13 @@ impl Lattice {
     /// Runs a query with options to its end.
     pub async fn query_with(&self, opts: QueryOpts) -> Outcome {
         let mut client = self.client().await;
+        Self::query_on(&mut client, opts).await
+    }
+
+    /// [`Lattice::query_with`] on a client (a connection) of the caller's,
+    /// as a real client keeps one: the benchmarks, whose figures would
+    /// otherwise include a connection's set-up per query.
+    pub async fn query_on(client: &mut AgentServiceClient<Channel>, opts: QueryOpts) -> Outcome {
         let mut req = tonic::Request::new(pb::QueryRequest {
             agent: opts.agent,
             session_id: opts.session,

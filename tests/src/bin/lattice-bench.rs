@@ -328,6 +328,8 @@ async fn stores(queries: usize, split_cores: bool) {
             for _ in 0..clients {
                 let lattice = lattice.clone();
                 tasks.push(tokio::spawn(async move {
+                    // One connection per client, kept, as a real client does.
+                    let mut client = lattice.client().await;
                     let sid = lattice.query("a", "start").await.session_id();
                     let mut times = Vec::with_capacity(per_client);
                     for _ in 0..per_client {
@@ -338,7 +340,7 @@ async fn stores(queries: usize, split_cores: bool) {
                             no_model_requests: true,
                             ..Default::default()
                         };
-                        let out = lattice.query_with(opts).await;
+                        let out = Lattice::query_on(&mut client, opts).await;
                         out.expect_ok();
                         times.push(out.elapsed);
                     }
