@@ -179,15 +179,17 @@ fn code_block(page: &str, language: &str, first_line: &str) -> String {
     body[..body.find("```").unwrap()].to_owned()
 }
 
-/// Starts `command` and reads its first line, `listening on PORT`.
+/// Starts `command` (its stderr discarded) and reads its first line,
+/// `listening on PORT`.
 async fn start_listening(mut command: tokio::process::Command) -> (u16, Child) {
+    command.stderr(std::process::Stdio::null());
+    start_listening_keeping_stderr(command).await
+}
+
+/// [`start_listening`], stderr where `command` says.
+async fn start_listening_keeping_stderr(mut command: tokio::process::Command) -> (u16, Child) {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let mut child = command
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = command.stdout(std::process::Stdio::piped()).kill_on_drop(true).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first =
         tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.expect("started").unwrap().unwrap();
@@ -220,5 +222,61 @@ async fn the_writing_a_hook_pages_end_with_a_passing_check() {
         let report = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{name}:\n{report}");
         assert!(report.contains("11 passed, 0 warning(s), 0 failed"), "{name}:\n{report}");
+    }
+}
+
+/// A hook on either package whose code fails with the tool result's text in
+/// its exception, panic or error: Lattice aborts the query as the hook's
+/// INTERNAL status, and the text (a canary) reaches neither the client, a
+/// trace, Lattice's logs nor the hook's own log lines.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_sdk_hook_aborts_without_its_text_anywhere() {
+    let dir = temp_dir("failing-hooks");
+    let go_binary = dir.join("go-panics");
+    let go_dir = workspace_root().join("tests/hooks/go-panics");
+    run("bash", &["hook-sdk/go/build.sh", go_dir.to_str().unwrap(), go_binary.to_str().unwrap()]).await;
+    for (name, first_word) in [("python", "boom"), ("go", "boom"), ("go", "error")] {
+        let hook_log = dir.join(format!("{name}-{first_word}.log"));
+        let mut command = match name {
+            "python" => {
+                let mut c = tokio::process::Command::new("python3");
+                c.arg(workspace_root().join("tests/hooks/raises.py"));
+                c
+            }
+            _ => tokio::process::Command::new(&go_binary),
+        };
+        command.args(["--listen", "127.0.0.1:0", "--log-format", "json"]);
+        command.stderr(std::fs::File::create(&hook_log).unwrap());
+        let (port, _hook) = start_listening_keeping_stderr(command).await;
+        let secret = canary();
+        let tools = ToolServer::start(vec![ToolDef::new("lookup", &format!("{first_word} {secret}"))]).await;
+        let config = cfg::agent("x", "")
+            + &cfg::turn("go", &["lookup"])
+            + &cfg::turn("model saw {{last_tool_result}}", &[])
+            + &cfg::tools(&tools.url, 2000)
+            + &cfg::hook(name, &format!("http://127.0.0.1:{port}"), &["tool_result"], 2000);
+        let lattice = Lattice::start(&config).await;
+        let out = lattice.query("x", "go").await;
+        let meta = out.hook_failure();
+        assert_eq!((meta["kind"].as_str(), meta["code"].as_str()), ("status", "INTERNAL"), "{name} {first_word}");
+        assert_no_leak(&secret, &lattice, &out);
+        // Nor does the hook's own status carry it (Lattice never shows a
+        // hook's message, but another client of the hook would see it).
+        let mut direct = HookServiceClient::connect(format!("http://127.0.0.1:{port}")).await.unwrap();
+        let text = format!("{first_word} {secret}");
+        let request = OnToolResultRequest {
+            result: Some(ToolResultBlock { content: vec![TextBlock { text }], ..Default::default() }),
+            ..Default::default()
+        };
+        let status = direct.on_tool_result(request).await.expect_err("the hook fails");
+        assert_eq!(status.code(), tonic::Code::Internal);
+        assert!(!status.message().contains(&secret), "{name} {first_word}: {}", status.message());
+        let logged = std::fs::read_to_string(&hook_log).unwrap();
+        let failure = logged
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| l["level"] == "error");
+        assert!(failure.is_some(), "{name} {first_word}: no error line in {logged}");
+        assert!(!logged.contains(&secret), "{name} {first_word}: the hook's log holds the text: {logged}");
     }
 }
