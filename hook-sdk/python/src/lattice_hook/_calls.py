@@ -67,29 +67,34 @@ def trace_of(metadata: Iterable[tuple[str, Any]] | None) -> Optional[TraceParent
 
 
 class _Call:
-    __slots__ = ("request", "_context", "_trace")
+    __slots__ = ("request", "_context", "_trace", "_trace_read")
+
+    request: Any
 
     def __init__(self, request: Any, context: Any = None) -> None:
         """`context` is the call's grpc context, or its metadata (pairs of
         key and value), or None."""
         self.request = request
         self._context = context
-        self._trace: Any = False
+        self._trace: Optional[TraceParent] = None
+        self._trace_read = False
 
     @property
     def context(self) -> HookContext:
         """Where the call comes from: agent, session, query, turn and the
         chain's version."""
-        return self.request.context
+        context: HookContext = self.request.context
+        return context
 
     @property
     def trace(self) -> Optional[TraceParent]:
         """The trace this call belongs to, when Lattice exports traces."""
-        if self._trace is False:
+        if not self._trace_read:
             # Read when first asked for: most calls never are.
             context = self._context
             metadata = context.invocation_metadata() if hasattr(context, "invocation_metadata") else context
             self._trace = trace_of(metadata)
+            self._trace_read = True
         return self._trace
 
 
@@ -98,6 +103,8 @@ class ToolResultCall(_Call):
     request is `request`; the common parts are properties."""
 
     __slots__ = ()
+
+    request: hooks_pb2.OnToolResultRequest
 
     @property
     def tool_name(self) -> str:
@@ -144,6 +151,8 @@ class ModelRequestCall(_Call):
     """A model request about to be sent (`OnModelRequest`)."""
 
     __slots__ = ()
+
+    request: hooks_pb2.OnModelRequestRequest
 
     @property
     def system(self) -> str:
@@ -197,7 +206,7 @@ def with_text(result: ToolResultBlock, text: str) -> ToolResultBlock:
     )
 
 
-def text_message(role: int, text: str) -> Message:
+def text_message(role: Role, text: str) -> Message:
     """A message of `role` (`Role.ROLE_USER`, …) with one text block."""
     return Message(role=role, content=[ContentBlock(text=TextBlock(text=text))])
 

@@ -99,14 +99,14 @@ def drain_seconds() -> float:
 class FunctionHook:
     """A hook made of functions (see `hook`)."""
 
-    def __init__(self, on_tool_result: Optional[Callable] = None, on_model_request: Optional[Callable] = None) -> None:
+    def __init__(self, on_tool_result: Optional[Callable[..., Any]] = None, on_model_request: Optional[Callable[..., Any]] = None) -> None:
         if on_tool_result is not None:
             self.on_tool_result = on_tool_result
         if on_model_request is not None:
             self.on_model_request = on_model_request
 
 
-def hook(on_tool_result: Optional[Callable] = None, on_model_request: Optional[Callable] = None) -> FunctionHook:
+def hook(on_tool_result: Optional[Callable[..., Any]] = None, on_model_request: Optional[Callable[..., Any]] = None) -> FunctionHook:
     """A hook from one or two functions (plain or `async`), each taking the
     call and returning a replacement or None."""
     if on_tool_result is None and on_model_request is None:
@@ -173,7 +173,9 @@ def _failed(rpc: str, error: BaseException) -> None:
 INTERNAL_MESSAGE = "the hook raised an exception"
 
 
-def _sync_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Callable) -> Callable:
+def _sync_handler(
+    rpc: str, fn: Optional[Callable[..., Any]], make_call: type, reply: Callable[[Any], Any]
+) -> Callable[..., Any]:
     if fn is None:
         def unhandled(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, UNHANDLED[rpc])
@@ -200,15 +202,17 @@ def _sync_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Call
     return handle
 
 
-def _async_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Callable) -> Callable:
+def _async_handler(
+    rpc: str, fn: Optional[Callable[..., Any]], make_call: type, reply: Callable[[Any], Any]
+) -> Callable[..., Any]:
     if fn is None:
-        async def unhandled(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unhandled(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, UNHANDLED[rpc])
 
         return unhandled
     text_reply = rpc == "OnToolResult"
 
-    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         call = make_call(request, context)
         current_call.set(call)  # each call is a task of its own
         try:
@@ -225,7 +229,7 @@ def _async_handler(rpc: str, fn: Optional[Callable], make_call: type, reply: Cal
     return handle
 
 
-def _method_handlers(hook: Any, asynchronous: bool) -> dict[str, grpc.RpcMethodHandler]:
+def _method_handlers(hook: Any, asynchronous: bool) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
     make = _async_handler if asynchronous else _sync_handler
     return {
         "OnToolResult": grpc.unary_unary_rpc_method_handler(
@@ -277,7 +281,7 @@ def _bind(server: Any, addr: str, tls: Optional[Tls]) -> int:
         raise OSError(f"cannot listen on {addr}: {e}") from None
     if port == 0:
         raise OSError(f"cannot listen on {addr}")
-    return port
+    return int(port)
 
 
 def _started(port: int, limit: int, tls: Optional[Tls], announce: bool, ready: Optional[Callable[[int], None]]) -> None:
