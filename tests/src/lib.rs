@@ -1035,26 +1035,45 @@ pub async fn start_python_hook_logging(args: &[&str], log: &Path) -> (String, Ch
 }
 
 async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Child) {
-    use tokio::io::{AsyncBufReadExt, BufReader};
-    let example = workspace_root().join("hook-sdk/examples/python");
-    let mut child = tokio::process::Command::new("python3")
-        .arg(example.join("redact_hook.py"))
+    let mut command = tokio::process::Command::new("python3");
+    command
+        .arg(workspace_root().join("hook-sdk/examples/python/redact_hook.py"))
         .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
         .args(args)
+        .stderr(stderr);
+    let (port, child) = start_announced(command, "the Python hook").await;
+    (hook_url(args, port), child)
+}
+
+/// The URL of a hook example started with `args` on `port`: `https://`
+/// when they include `--tls-cert`.
+fn hook_url(args: &[&str], port: u16) -> String {
+    let scheme = if args.contains(&"--tls-cert") { "https" } else { "http" };
+    format!("{scheme}://127.0.0.1:{port}")
+}
+
+/// Starts `command`, a hook on the Python or Go package (or anything that
+/// prints `listening on PORT` as its first line on stdout), and returns
+/// the port and the process (killed when dropped). `what` names it in a
+/// failure.
+pub async fn start_announced(mut command: tokio::process::Command, what: &str) -> (u16, Child) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = command
         .stdout(std::process::Stdio::piped())
-        .stderr(stderr)
         .kill_on_drop(true)
         .spawn()
-        .expect("python3");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    let mut lines = BufReader::new(child.stdout.take().expect("a stdout pipe")).lines();
     let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
         .await
-        .expect("the Python hook did not start")
-        .unwrap()
-        .unwrap();
-    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
-    let scheme = if args.contains(&"--tls-cert") { "https" } else { "http" };
-    (format!("{scheme}://127.0.0.1:{port}"), Child(child))
+        .unwrap_or_else(|_| panic!("{what} did not start"))
+        .expect("its stdout")
+        .unwrap_or_else(|| panic!("{what} exited before it listened"));
+    let port = first
+        .strip_prefix("listening on ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{what}: unexpected first line {first:?}"));
+    (port, Child(child))
 }
 
 /// Builds the Go example hook (on the latticehook package, with
@@ -1064,7 +1083,6 @@ async fn python_hook(args: &[&str], stderr: std::process::Stdio) -> (String, Chi
 /// arguments; returns its URL (`https://` when they include `--tls-cert`)
 /// and process.
 pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
-    use tokio::io::{AsyncBufReadExt, BufReader};
     static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
     let binary = BUILT
         .get_or_init(|| async {
@@ -1090,22 +1108,10 @@ pub async fn start_go_hook(args: &[&str]) -> (String, Child) {
             out
         })
         .await;
-    let mut child = tokio::process::Command::new(binary)
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("the Go example hook");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-        .await
-        .expect("the Go hook did not start")
-        .unwrap()
-        .unwrap();
-    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {first:?}"));
-    let scheme = if args.contains(&"--tls-cert") { "https" } else { "http" };
-    (format!("{scheme}://127.0.0.1:{port}"), Child(child))
+    let mut command = tokio::process::Command::new(binary);
+    command.args(["--listen", "127.0.0.1:0"]).args(args);
+    let (port, child) = start_announced(command, "the Go hook").await;
+    (hook_url(args, port), child)
 }
 
 /// A tonic server running in the background on a bound listener; it stops

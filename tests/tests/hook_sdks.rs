@@ -10,8 +10,8 @@ use lattice_proto::{
     hooks::v1::{OnToolResultRequest, hook_service_client::HookServiceClient},
 };
 use lattice_tests::{
-    Child, Lattice, assert_no_leak, canary, cfg, start_go_hook, start_python_hook_with, temp_dir, tool::ToolDef,
-    tool::ToolServer, workspace_root,
+    Child, Lattice, assert_no_leak, canary, cfg, start_announced, start_go_hook, start_python_hook_with, temp_dir,
+    tool::ToolDef, tool::ToolServer, workspace_root,
 };
 
 /// Runs `program args…` in the repository, failing with its output.
@@ -212,24 +212,6 @@ fn code_block(page: &str, language: &str, first_line: &str) -> String {
     body[..body.find("```").unwrap()].to_owned()
 }
 
-/// Starts `command` (its stderr discarded) and reads its first line,
-/// `listening on PORT`.
-async fn start_listening(mut command: tokio::process::Command) -> (u16, Child) {
-    command.stderr(std::process::Stdio::null());
-    start_listening_keeping_stderr(command).await
-}
-
-/// [`start_listening`], stderr where `command` says.
-async fn start_listening_keeping_stderr(mut command: tokio::process::Command) -> (u16, Child) {
-    use tokio::io::{AsyncBufReadExt, BufReader};
-    let mut child = command.stdout(std::process::Stdio::piped()).kill_on_drop(true).spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first =
-        tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.expect("started").unwrap().unwrap();
-    let port = first.strip_prefix("listening on ").unwrap_or_else(|| panic!("first line {first:?}")).parse().unwrap();
-    (port, Child(child))
-}
-
 /// "Writing a hook" in Python and in Go end with a hook passing `lattice
 /// hook check`: the pages' code, as written, does.
 #[tokio::test(flavor = "multi_thread")]
@@ -245,8 +227,9 @@ async fn the_writing_a_hook_pages_end_with_a_passing_check() {
     python.arg(dir.join("cap_results.py")).args(["--listen", "127.0.0.1:0"]);
     let mut go = tokio::process::Command::new(&binary);
     go.args(["--listen", "127.0.0.1:0"]);
-    for (name, command) in [("python", python), ("go", go)] {
-        let (port, _hook) = start_listening(command).await;
+    for (name, mut command) in [("python", python), ("go", go)] {
+        command.stderr(std::process::Stdio::null());
+        let (port, _hook) = start_announced(command, name).await;
         let out = tokio::process::Command::new(lattice_tests::workspace_binary("lattice"))
             .args(["hook", "check", &format!("127.0.0.1:{port}"), "--events", "tool_result"])
             .output()
@@ -280,7 +263,7 @@ async fn a_failing_sdk_hook_aborts_without_its_text_anywhere() {
         };
         command.args(["--listen", "127.0.0.1:0", "--log-format", "json"]);
         command.stderr(std::fs::File::create(&hook_log).unwrap());
-        let (port, _hook) = start_listening_keeping_stderr(command).await;
+        let (port, _hook) = start_announced(command, name).await;
         let secret = canary();
         let tools = ToolServer::start(vec![ToolDef::new("lookup", &format!("{first_word} {secret}"))]).await;
         let config = cfg::agent("x", "")

@@ -28,12 +28,15 @@ pub(super) struct Shadow {
 /// kind.
 type Answer = Result<String, &'static str>;
 
+/// The shadow's answer and the shadowed hook's output, as each arrives.
+type Sides = (Option<Answer>, Option<Option<String>>);
+
 /// Where a shadow call and the hook it shadows meet: whichever answers
 /// second records the comparison. So a shadow that answered before the
 /// shadowed hook is in the query's audit record for sure, and one that
 /// answers later is recorded then, without the query waiting for it.
 struct Meeting {
-    sides: std::sync::Mutex<(Option<Answer>, Option<Option<String>>)>,
+    sides: std::sync::Mutex<Sides>,
     agent: String,
     hook: String,
     of: String,
@@ -45,20 +48,18 @@ struct Meeting {
 
 impl Meeting {
     fn shadow_answered(&self, answer: Answer) {
-        let sides = {
-            let mut sides = crate::sync::lock(&self.sides);
-            sides.0 = Some(answer);
-            Self::both(&mut sides)
-        };
-        if let Some((answer, primary)) = sides {
-            self.record(answer, primary);
-        }
+        self.answered(|sides| sides.0 = Some(answer));
     }
 
     fn primary_answered(&self, output: Option<String>) {
+        self.answered(|sides| sides.1 = Some(output));
+    }
+
+    /// Sets one side; the second to answer records the comparison.
+    fn answered(&self, set: impl FnOnce(&mut Sides)) {
         let sides = {
             let mut sides = crate::sync::lock(&self.sides);
-            sides.1 = Some(output);
+            set(&mut sides);
             Self::both(&mut sides)
         };
         if let Some((answer, primary)) = sides {
@@ -67,8 +68,7 @@ impl Meeting {
     }
 
     /// Both sides, once both have answered (taken: recorded once).
-    #[allow(clippy::type_complexity)]
-    fn both(sides: &mut (Option<Answer>, Option<Option<String>>)) -> Option<(Answer, Option<String>)> {
+    fn both(sides: &mut Sides) -> Option<(Answer, Option<String>)> {
         if sides.0.is_some() && sides.1.is_some() { Some((sides.0.take()?, sides.1.take()?)) } else { None }
     }
 
