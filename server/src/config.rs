@@ -76,6 +76,8 @@ pub mod defaults {
     pub const LEASE_TTL_MS: u64 = 15_000;
     /// PostgreSQL connections per replica.
     pub const POSTGRES_POOL_SIZE: usize = 16;
+    /// `sessions.pipeline_connections`.
+    pub const PIPELINE_CONNECTIONS: usize = 2;
     /// MiB of conversations a replica keeps (PostgreSQL store).
     pub const HISTORY_CACHE_MIB: usize = 32;
     /// `sessions.store_timeout_ms`.

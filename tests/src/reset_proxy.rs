@@ -2,6 +2,9 @@
 //! database: every 50–200 ms (or as told) it cuts one random connection
 //! with a TCP reset toward Lattice, as a flaky network, a load balancer or
 //! a failover does, whatever the connection was doing (a commit included).
+//! It can also freeze the connections open at a moment: they stay open and
+//! acknowledged by the kernel, but nothing more is relayed either way, as
+//! with a proxy whose upstream vanished.
 
 use std::{
     net::SocketAddr,
@@ -20,10 +23,17 @@ use tokio_util::sync::CancellationToken;
 pub struct ResetProxy {
     /// Where Lattice connects.
     pub addr: SocketAddr,
-    live: Arc<Mutex<Vec<(u64, CancellationToken)>>>,
+    live: Arc<Mutex<Vec<Relayed>>>,
     resetting: Arc<AtomicBool>,
     resets: Arc<AtomicUsize>,
     stop: CancellationToken,
+}
+
+/// A relayed connection: its id, and what cuts (resets) or freezes it.
+struct Relayed {
+    id: u64,
+    cut: CancellationToken,
+    freeze: CancellationToken,
 }
 
 /// A small xorshift: random enough to pick a connection and a pause.
@@ -41,7 +51,7 @@ impl ResetProxy {
     pub async fn start(upstream: SocketAddr) -> ResetProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let live: Arc<Mutex<Vec<(u64, CancellationToken)>>> = Arc::default();
+        let live: Arc<Mutex<Vec<Relayed>>> = Arc::default();
         let stop = CancellationToken::new();
         let (accepting, stopping) = (live.clone(), stop.clone());
         tokio::spawn(async move {
@@ -52,12 +62,12 @@ impl ResetProxy {
                     accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
                 };
                 id += 1;
-                let cut = stopping.child_token();
-                accepting.lock().unwrap().push((id, cut.clone()));
+                let (cut, freeze) = (stopping.child_token(), CancellationToken::new());
+                accepting.lock().unwrap().push(Relayed { id, cut: cut.clone(), freeze: freeze.clone() });
                 let registry = accepting.clone();
                 tokio::spawn(async move {
-                    relay(client, upstream, cut).await;
-                    registry.lock().unwrap().retain(|(i, _)| *i != id);
+                    relay(client, upstream, cut, freeze).await;
+                    registry.lock().unwrap().retain(|r| r.id != id);
                 });
             }
         });
@@ -80,7 +90,7 @@ impl ResetProxy {
                 tokio::time::sleep(wait).await;
                 let victim = {
                     let live = live.lock().unwrap();
-                    (!live.is_empty()).then(|| live[(next(&seed) % live.len() as u64) as usize].1.clone())
+                    (!live.is_empty()).then(|| live[(next(&seed) % live.len() as u64) as usize].cut.clone())
                 };
                 if let Some(cut) = victim
                     && resetting.load(Ordering::SeqCst)
@@ -97,6 +107,15 @@ impl ResetProxy {
         self.resetting.store(false, Ordering::SeqCst);
     }
 
+    /// Freezes every connection open now (those made later relay as
+    /// usual): nothing more is relayed on them either way and nothing
+    /// closes them, until the proxy stops. Returns how many it froze.
+    pub fn freeze_live(&self) -> usize {
+        let live = self.live.lock().unwrap();
+        live.iter().for_each(|r| r.freeze.cancel());
+        live.len()
+    }
+
     /// How many connections it has reset.
     pub fn resets(&self) -> usize {
         self.resets.load(Ordering::SeqCst)
@@ -110,14 +129,19 @@ impl Drop for ResetProxy {
 }
 
 /// Copies both ways until either side closes, or `cut`: then the client
-/// side is reset (RST, not FIN) and the server's closed.
-async fn relay(mut client: TcpStream, upstream: SocketAddr, cut: CancellationToken) {
+/// side is reset (RST, not FIN) and the server's closed. Once `freeze`d it
+/// copies nothing more but keeps both open until `cut`.
+async fn relay(mut client: TcpStream, upstream: SocketAddr, cut: CancellationToken, freeze: CancellationToken) {
     let Ok(mut server) = TcpStream::connect(upstream).await else { return };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     tokio::select! {
         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
         () = cut.cancelled() => {
+            let _ = client.set_zero_linger();
+        }
+        () = freeze.cancelled() => {
+            cut.cancelled().await;
             let _ = client.set_zero_linger();
         }
     }

@@ -51,6 +51,7 @@ fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server
         url_env: "-".into(),
         url: url.to_owned(),
         pool_size: 2,
+        pipeline_connections: 2,
         exit_if_unreachable: true,
         history_cache_bytes: cache,
         store_timeout: Duration::from_secs(5),
@@ -148,6 +149,54 @@ async fn concurrent_clients_lose_and_duplicate_no_turn() {
         assert_eq!(got, expected, "session {i}: lost or duplicated turns");
         assert_eq!(stored.messages.len(), 2 + 2 * prompts.len());
     }
+}
+
+/// Queries' own statements share a replica's pipelined connections: 16
+/// sessions querying at once on one replica open no more than
+/// `pipeline_connections` of them (besides the pool's, which health and
+/// reads use), where a connection per statement opens about one per query
+/// in flight; and every turn is stored.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_queries_share_a_replicas_pipelined_connections() {
+    let cluster = Cluster::shared().await;
+    let url = cluster.database().await;
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let config = config(20, "pipeline_connections = 2\npool_size = 16\n");
+    let lattice = Arc::new(Lattice::spawn(&config, &[(URL_ENV, &url)]).await);
+    let mut clients = Vec::new();
+    for c in 0..16 {
+        let lattice = lattice.clone();
+        clients.push(tokio::spawn(async move {
+            let sid = lattice.query("a", &format!("c{c} open")).await.session_id();
+            for q in 0..5 {
+                lattice.query_with(continue_(&sid, &format!("c{c} q{q}"))).await.expect_ok();
+            }
+            sid
+        }));
+    }
+    let mut sessions = Vec::new();
+    for c in clients {
+        sessions.push(c.await.unwrap());
+    }
+    for (c, sid) in sessions.iter().enumerate() {
+        let stored = lattice.session(sid).await.unwrap();
+        let prompts: Vec<String> = stored.messages.iter().step_by(2).map(message_text).collect();
+        let expected: Vec<String> =
+            std::iter::once(format!("c{c} open")).chain((0..5).map(|q| format!("c{c} q{q}"))).collect();
+        assert_eq!(prompts, expected, "session {c}");
+    }
+    let (admin, connection) =
+        tokio_postgres::connect(&cluster.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let row = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = 'lattice'",
+            &[&database],
+        )
+        .await
+        .unwrap();
+    let open: i64 = row.get(0);
+    assert!(open <= 4, "{open} connections for 16 sessions at once: the statements did not share connections");
 }
 
 /// A replica killed mid-query (SIGKILL: no release) holds the session

@@ -1,7 +1,9 @@
 //! The PostgreSQL store under real faults: a database that accepts TLS
 //! only, one whose every process is stopped (a failover's silent old
-//! primary), connections reset at random under concurrent sessions,
-//! PgBouncer in transaction mode, and a schema the binary must not touch.
+//! primary), a connection gone silent while the database is fine,
+//! connections reset at random under concurrent sessions (on pipelined
+//! connections and on pooled ones), PgBouncer in transaction mode, and a
+//! schema the binary must not touch.
 //! What a client is told must match what is stored: OK ⇒ the turn stored
 //! once; a failure ⇒ nothing; UNKNOWN + COMMIT_OUTCOME_UNKNOWN ⇒ either.
 
@@ -310,6 +312,62 @@ async fn connection_resets_never_lose_or_duplicate_a_turn() {
     let failed: usize =
         ["unavailable", "busy", "aborted", "deadline", "other"].iter().filter_map(|k| tally.get(k)).sum();
     assert!(tally.get("busy").copied().unwrap_or(0) <= failed / 2 + 5, "leftover leases refused follow-ups: {tally:?}");
+}
+
+/// The same with each statement on a pooled connection of its own
+/// (`pipeline_connections = 0`), for 10 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn connection_resets_keep_outcomes_exact_on_pooled_connections() {
+    let cluster = Cluster::shared().await;
+    let url = cluster.database().await;
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let upstream = format!("127.0.0.1:{}", cluster.port()).parse().unwrap();
+    resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), "pipeline_connections = 0").await;
+}
+
+/// A database connection that goes silent while the database is fine (a
+/// proxy whose upstream vanished keeps acknowledging, so the kernel never
+/// gives up on it): the query whose statement waits on it ends by its
+/// deadline, and that connection takes no new statement, so the queries
+/// after it get a fresh connection and succeed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_gone_silent_takes_no_new_statement() {
+    let cluster = Cluster::shared().await;
+    let url = cluster.database().await;
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let proxy = ResetProxy::start(format!("127.0.0.1:{}", cluster.port()).parse().unwrap()).await;
+    let url = format!("postgres://postgres@{}/{database}", proxy.addr);
+    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
+    let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
+    first.expect_ok();
+    let sid = first.session_id();
+    for n in 0..3 {
+        lattice.query_with(query(&format!("warm {n}"), Some(&sid), Duration::from_secs(5))).await.expect_ok();
+    }
+    assert!(proxy.freeze_live() > 0, "no database connection was open to freeze");
+    // Queries one after another for 5 s, several times the store's
+    // timeout: a statement that waited on the silent connection gives it
+    // up at its deadline, so a connection kept would take statements again.
+    let (start, mut failed, mut n) = (Instant::now(), Vec::new(), 0);
+    while start.elapsed() < Duration::from_secs(5) {
+        n += 1;
+        let prompt = format!("after {n}");
+        let out = lattice.query_with(query(&prompt, Some(&sid), Duration::from_millis(1500))).await;
+        if out.code() != Code::Ok {
+            failed.push((prompt, out.code(), start.elapsed()));
+        }
+    }
+    // The silent connection costs the query waiting on it, and perhaps
+    // one whose lease was given back on it; none after the first seconds.
+    assert!(
+        failed.len() <= 3 && failed.iter().all(|(_, _, at)| *at < Duration::from_secs(3)),
+        "a silent connection kept taking statements ({n} queries): {failed:?}"
+    );
+    let stored = lattice.session(&sid).await.unwrap();
+    let texts: Vec<String> = stored.messages.iter().map(message_text).collect();
+    for (prompt, code, _) in &failed {
+        assert!(!texts.contains(prompt), "{prompt}: told {code:?}, yet stored");
+    }
 }
 
 /// The same through PgBouncer in transaction pooling mode (Debian's

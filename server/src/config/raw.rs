@@ -41,6 +41,10 @@ pub(super) struct RawSessions {
     pub(super) idle_ttl_s: Option<u64>,
     pub(super) max_sessions: Option<usize>,
     pub(super) pool_size: Option<usize>,
+    /// PostgreSQL: connections that every query's own statements share,
+    /// several in flight on each (0: each statement takes a pool
+    /// connection to itself).
+    pub(super) pipeline_connections: Option<usize>,
     /// PostgreSQL: MiB of conversations each replica keeps, so that a
     /// query reads only the messages committed since (0: none kept).
     pub(super) history_cache_mib: Option<Spanned<usize>>,

@@ -48,8 +48,13 @@ pub struct PostgresSettings {
     pub url_env: String,
     /// The connection string (never printed: see `Debug`).
     pub url: String,
-    /// Connections per replica.
+    /// Pooled connections per replica (reads, deletes, sweeps, health,
+    /// and queries' statements when none are pipelined).
     pub pool_size: usize,
+    /// Connections per replica that every query's own statements (its
+    /// lease, renewals, commit, release) share, several in flight on each
+    /// (PostgreSQL's pipelining); 0: each statement takes a pooled one.
+    pub pipeline_connections: usize,
     /// Refuse to start when the database can't be reached (instead of
     /// serving NOT_SERVING and retrying).
     pub exit_if_unreachable: bool,
@@ -74,6 +79,7 @@ impl fmt::Debug for PostgresSettings {
             .field("url_env", &self.url_env)
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
+            .field("pipeline_connections", &self.pipeline_connections)
             .field("exit_if_unreachable", &self.exit_if_unreachable)
             .field("history_cache_bytes", &self.history_cache_bytes)
             .field("store_timeout", &self.store_timeout)

@@ -283,6 +283,7 @@ impl Validator<'_> {
                     url_env: url_env.into_inner(),
                     url,
                     pool_size: s.pool_size.unwrap_or(defaults::POSTGRES_POOL_SIZE).max(1),
+                    pipeline_connections: s.pipeline_connections.unwrap_or(defaults::PIPELINE_CONNECTIONS),
                     exit_if_unreachable,
                     history_cache_bytes: s
                         .history_cache_mib

@@ -15,7 +15,7 @@ impl PostgresStore {
         create: bool,
         token: uuid::Uuid,
     ) -> Result<Lease, StoreError> {
-        let client = self.conn("acquire").await?;
+        let client = self.query_conn("acquire").await?;
         let (session, version, born) = if create {
             let owner = owner.unwrap_or_default();
             let params: [Param<'_>; 5] = [

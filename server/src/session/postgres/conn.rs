@@ -1,30 +1,77 @@
-//! A pooled connection and the statements sent on it: prepared once per
-//! connection, or unnamed with their types (PgBouncer's transaction
-//! pooling); how a failure is logged (the reason, never a value or the
-//! connection string); and the bound every wait on the database has.
+//! A connection (pooled, or shared by queries' statements) and the
+//! statements sent on it: prepared once per connection, or unnamed with
+//! their types (PgBouncer's transaction pooling); how a failure is logged
+//! (the reason, never a value or the connection string); and the bound
+//! every wait on the database has.
 
-use std::future::Future;
+use std::{future::Future, ops::Deref};
+
+use deadpool_postgres::ClientWrapper;
 
 use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tracing::warn;
 
-use super::connect;
+use super::{connect, shared::Lent};
 use crate::session::StoreError;
 
 /// A statement's parameter and its type.
 pub(super) type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 
-/// A pooled connection and how statements are sent on it.
-pub(super) struct Conn {
-    pub(super) client: deadpool_postgres::Object,
+/// A connection: one of the pool's, the task's alone until it is dropped,
+/// or a shared one.
+pub(super) enum Handle<'a> {
+    Pooled(Box<deadpool_postgres::Object>),
+    Shared(Lent<'a>),
+}
+
+impl Deref for Handle<'_> {
+    type Target = ClientWrapper;
+
+    fn deref(&self) -> &ClientWrapper {
+        match self {
+            Handle::Pooled(object) => object,
+            Handle::Shared(lent) => &lent.client,
+        }
+    }
+}
+
+/// A connection and how statements are sent on it.
+pub(super) struct Conn<'a> {
+    pub(super) client: Handle<'a>,
     /// Prepared and cached per connection, or unnamed with their types.
     pub(super) prepared: bool,
 }
 
-impl Conn {
+impl Conn<'_> {
+    /// `statement`, marked on a shared connection as awaiting its answer
+    /// until it has one.
+    async fn send<T>(
+        &self,
+        statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, tokio_postgres::Error> {
+        let Handle::Shared(lent) = &self.client else { return statement.await };
+        lent.waiting(true);
+        let answer = statement.await;
+        lent.waiting(false);
+        answer
+    }
+
     /// The rows of `sql` with `params`.
     pub(super) async fn rows(
+        &self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        self.send(self.rows_now(sql, params)).await
+    }
+
+    /// The rows `sql` changed.
+    pub(super) async fn exec(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
+        self.send(self.exec_now(sql, params)).await
+    }
+
+    async fn rows_now(
         &self,
         sql: &str,
         params: &[Param<'_>],
@@ -48,8 +95,7 @@ impl Conn {
         Ok(self.rows(sql, params).await?.into_iter().next())
     }
 
-    /// The rows `sql` changed.
-    pub(super) async fn exec(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
+    async fn exec_now(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
         if self.prepared {
             let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
             let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();

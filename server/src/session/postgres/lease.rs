@@ -51,7 +51,7 @@ enum Sent {
 impl PgLease {
     /// The commit statement, once.
     async fn send_commit(&self, rows: &[String]) -> Sent {
-        let Ok(client) = self.store.conn("commit").await else { return Sent::NotWritten };
+        let Ok(client) = self.store.query_conn("commit").await else { return Sent::NotWritten };
         let n = rows.len() as i64;
         // One statement, so one round trip and atomic: the version bump
         // (only with our token and the version we read), the new rows

@@ -26,6 +26,10 @@
 //! token is read back. Only when no answer comes before the deadline is the
 //! outcome unknown ([`StoreError::CommitOutcomeUnknown`]).
 //!
+//! A query's own statements (its lease, renewals, commit, release and
+//! read-back) share a few connections, several in flight on each (see
+//! `shared`); everything else takes a pooled connection of its own.
+//!
 //! Statements are prepared once per connection and cached (each then runs in
 //! one round trip, planned once), or, with `[sessions] prepared_statements =
 //! false`, sent with their parameter types as unnamed statements (one round
@@ -43,6 +47,7 @@ mod connect;
 mod lease;
 mod renew;
 mod schema;
+mod shared;
 mod url;
 
 use std::{
@@ -53,7 +58,7 @@ use std::{
     time::Duration,
 };
 
-use conn::{Conn, Param, bounded, db, pool_error, pool_reason};
+use conn::{Conn, Handle, Param, bounded, db, pool_error, pool_reason};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use lease::PgLease;
 pub use schema::{SchemaError, VERSION as SCHEMA_VERSION};
@@ -79,6 +84,9 @@ pub struct PostgresStore {
     timeout: Duration,
     /// Whether statements are prepared and cached per connection.
     prepared: bool,
+    /// The connections queries' own statements share, if any (else they
+    /// take pooled ones).
+    shared: Option<Arc<shared::Shared>>,
     /// Whether start-up (and health, until it succeeds) migrates the
     /// schema, or only checks it.
     migrate: bool,
@@ -136,11 +144,10 @@ impl PostgresStore {
         if pg.get_tcp_user_timeout().is_none() {
             pg.tcp_user_timeout(timeout);
         }
-        let manager = Manager::from_connect(
-            pg,
-            connect::Connector::new(target.tls),
-            ManagerConfig { recycling_method: RecyclingMethod::Fast },
-        );
+        let connector = connect::Connector::new(target.tls);
+        let shared = (settings.pipeline_connections > 0)
+            .then(|| Arc::new(shared::Shared::new(pg.clone(), connector.clone(), settings.pipeline_connections)));
+        let manager = Manager::from_connect(pg, connector, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(manager)
             .max_size(settings.pool_size)
             .wait_timeout(Some(timeout))
@@ -157,6 +164,7 @@ impl PostgresStore {
             idle_ttl,
             timeout,
             prepared: settings.prepared_statements,
+            shared,
             migrate: settings.migrate,
             cache,
             reads_new_only: Arc::default(),
@@ -194,9 +202,17 @@ impl PostgresStore {
     }
 
     /// A connection from the pool, for `what`.
-    async fn conn(&self, what: &'static str) -> Result<Conn, StoreError> {
+    async fn conn(&self, what: &'static str) -> Result<Conn<'_>, StoreError> {
         let client = self.pool.get().await.map_err(pool_error(what))?;
-        Ok(Conn { client, prepared: self.prepared })
+        Ok(Conn { client: Handle::Pooled(Box::new(client)), prepared: self.prepared })
+    }
+
+    /// A connection for a query's own statements (`what`): a shared one,
+    /// if there are any, else one from the pool.
+    async fn query_conn(&self, what: &'static str) -> Result<Conn<'_>, StoreError> {
+        let Some(shared) = &self.shared else { return self.conn(what).await };
+        let lent = shared.get().await.map_err(db(what))?;
+        Ok(Conn { client: Handle::Shared(lent), prepared: self.prepared })
     }
 
     /// The deadline of a statement that has only the store's timeout.
@@ -213,7 +229,7 @@ impl PostgresStore {
     }
 
     /// The committed messages of a session from `from` to `count`, in order.
-    async fn messages(client: &Conn, session_id: &str, from: i64, count: i64) -> Result<Vec<Message>, StoreError> {
+    async fn messages(client: &Conn<'_>, session_id: &str, from: i64, count: i64) -> Result<Vec<Message>, StoreError> {
         let rows = client
             .rows(
                 "SELECT message FROM lattice_messages WHERE session_id = $1 AND seq >= $2 AND seq < $3 ORDER BY seq",
@@ -231,7 +247,7 @@ impl PostgresStore {
     /// Ok(true): given back here; Ok(false): the token was no longer there
     /// (committed, expired or taken over).
     async fn give_back(&self, id: &str, token: uuid::Uuid, created: bool) -> Result<bool, StoreError> {
-        let client = self.conn("release").await?;
+        let client = self.query_conn("release").await?;
         let sql = if created {
             "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
         } else {
@@ -258,7 +274,7 @@ impl PostgresStore {
 
     /// Whether the commit made under `token` is the session's last.
     async fn landed(&self, id: &str, token: uuid::Uuid) -> Result<bool, StoreError> {
-        let client = self.conn("read back").await?;
+        let client = self.query_conn("read back").await?;
         let row = client
             .maybe_row(
                 "SELECT last_commit = $2 FROM lattice_sessions WHERE id = $1",
@@ -275,7 +291,7 @@ impl PostgresStore {
         let attempt = move || {
             let (store, id) = (store.clone(), id.clone());
             async move {
-                let client = store.conn("renew").await?;
+                let client = store.query_conn("renew").await?;
                 client
                     .exec(
                         "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
