@@ -49,7 +49,8 @@ impl PostgresStore {
             let known_born = known.as_ref().map(|k| k.born);
             let known_count = known.as_ref().map_or(0, |k| k.messages.len() as i64);
             // One round trip: the lease and, read in the same statement,
-            // the history it continues.
+            // the history it continues (no read at all when this replica
+            // knows all of it).
             let params: [Param<'_>; 7] = [
                 (&session_id, Type::TEXT),
                 (&token, Type::UUID),
@@ -76,9 +77,12 @@ impl PostgresStore {
                          FROM lease
                      )
                      SELECT agent, version, message_count, born, start,
-                            ARRAY(SELECT message FROM lattice_messages
-                                  WHERE session_id = $1 AND seq >= known.start AND seq < lease.message_count
-                                  ORDER BY seq)
+                            CASE WHEN start < message_count
+                                 THEN ARRAY(SELECT message FROM lattice_messages
+                                            WHERE session_id = $1 AND seq >= known.start
+                                              AND seq < lease.message_count
+                                            ORDER BY seq)
+                                 ELSE '{}'::text[] END
                      FROM lease, known",
                     &params,
                 )
