@@ -301,11 +301,17 @@ async fn stores(queries: usize, split_cores: bool) {
     // this process, Lattice and its clients, and of PostgreSQL's) of each
     // store.
     let mut figures: Vec<(&str, Duration, f64, Duration, Duration)> = Vec::new();
-    for (store, url) in
-        [("memory", database.as_str()), ("postgres", database.as_str()), ("postgres+tls", tls_url.as_str())]
-    {
+    // `pg-no-pipe`: each of a query's statements on a pooled connection
+    // of its own, as before queries shared pipelined connections.
+    for (store, url) in [
+        ("memory", database.as_str()),
+        ("postgres", database.as_str()),
+        ("postgres+tls", tls_url.as_str()),
+        ("pg-no-pipe", database.as_str()),
+    ] {
         let sessions = match store {
             "memory" => "[sessions]\nstore = \"memory\"\n",
+            "pg-no-pipe" => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\npipeline_connections = 0\n",
             _ => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
         };
         let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
@@ -448,6 +454,7 @@ async fn commits() {
             url_env: "-".into(),
             url: url.clone(),
             pool_size: 4,
+            pipeline_connections: 2,
             exit_if_unreachable: true,
             history_cache_bytes: cache,
             store_timeout: Duration::from_secs(5),
