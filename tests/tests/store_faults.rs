@@ -180,6 +180,15 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals() {
     }
 }
 
+/// A new database on the shared cluster: its name, and where the cluster
+/// listens (for a proxy in front of it).
+async fn database_and_upstream() -> (String, std::net::SocketAddr) {
+    let cluster = Cluster::shared().await;
+    let url = cluster.database().await;
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    (database, format!("127.0.0.1:{}", cluster.port()).parse().unwrap())
+}
+
 /// What one session's queries were told.
 #[derive(Debug, Default)]
 struct Told {
@@ -304,10 +313,7 @@ async fn resets_keep_outcomes_exact(
 /// lease back, so its session's next query is rarely refused as busy.
 #[tokio::test(flavor = "multi_thread")]
 async fn connection_resets_never_lose_or_duplicate_a_turn() {
-    let cluster = Cluster::shared().await;
-    let url = cluster.database().await;
-    let database = url.rsplit('/').next().unwrap().to_owned();
-    let upstream = format!("127.0.0.1:{}", cluster.port()).parse().unwrap();
+    let (database, upstream) = database_and_upstream().await;
     let tally = resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(20), "").await;
     let failed: usize =
         ["unavailable", "busy", "aborted", "deadline", "other"].iter().filter_map(|k| tally.get(k)).sum();
@@ -318,10 +324,7 @@ async fn connection_resets_never_lose_or_duplicate_a_turn() {
 /// (`pipeline_connections = 0`), for 10 s.
 #[tokio::test(flavor = "multi_thread")]
 async fn connection_resets_keep_outcomes_exact_on_pooled_connections() {
-    let cluster = Cluster::shared().await;
-    let url = cluster.database().await;
-    let database = url.rsplit('/').next().unwrap().to_owned();
-    let upstream = format!("127.0.0.1:{}", cluster.port()).parse().unwrap();
+    let (database, upstream) = database_and_upstream().await;
     resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), "pipeline_connections = 0").await;
 }
 
@@ -332,10 +335,8 @@ async fn connection_resets_keep_outcomes_exact_on_pooled_connections() {
 /// after it get a fresh connection and succeed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_connection_gone_silent_takes_no_new_statement() {
-    let cluster = Cluster::shared().await;
-    let url = cluster.database().await;
-    let database = url.rsplit('/').next().unwrap().to_owned();
-    let proxy = ResetProxy::start(format!("127.0.0.1:{}", cluster.port()).parse().unwrap()).await;
+    let (database, upstream) = database_and_upstream().await;
+    let proxy = ResetProxy::start(upstream).await;
     let url = format!("postgres://postgres@{}/{database}", proxy.addr);
     let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
     let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
