@@ -32,7 +32,8 @@ use super::connect::Connector;
 pub(super) struct Shared {
     pg: Config,
     connector: Connector,
-    slots: Box<[Slot]>,
+    first: Slot,
+    more: Box<[Slot]>,
 }
 
 #[derive(Default)]
@@ -48,7 +49,7 @@ struct Slot {
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").field("connections", &self.slots.len()).finish_non_exhaustive()
+        f.debug_struct("Shared").field("connections", &(1 + self.more.len())).finish_non_exhaustive()
     }
 }
 
@@ -104,8 +105,8 @@ impl Shared {
     /// `connections` slots (at least one), connected to `pg` as the pool's
     /// are, on first use.
     pub(super) fn new(pg: Config, connector: Connector, connections: usize) -> Self {
-        let slots = (0..connections.max(1)).map(|_| Slot::default()).collect();
-        Self { pg, connector, slots }
+        let more = (1..connections).map(|_| Slot::default()).collect();
+        Self { pg, connector, first: Slot::default(), more }
     }
 
     /// The connection of the slot with the fewest users, made if it has
@@ -113,7 +114,8 @@ impl Shared {
     /// query after another finds the same backend, as on a connection of
     /// their own.)
     pub(super) async fn get(&self) -> Result<Lent<'_>, tokio_postgres::Error> {
-        let slot = self.slots.iter().min_by_key(|s| s.users.load(Ordering::Relaxed)).unwrap_or(&self.slots[0]);
+        let users = |s: &Slot| s.users.load(Ordering::Relaxed);
+        let slot = self.more.iter().fold(&self.first, |best, s| if users(s) < users(best) { s } else { best });
         slot.users.fetch_add(1, Ordering::Relaxed);
         let user = User(slot);
         let lend = |user, client| Lent { user, client, waiting: AtomicBool::new(false) };
