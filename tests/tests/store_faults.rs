@@ -371,6 +371,49 @@ async fn a_connection_gone_silent_takes_no_new_statement() {
     }
 }
 
+/// The same for the pool's connections, which carry the readiness probe,
+/// session reads and deletes: a probe cut off by the store's timeout on a
+/// silent connection gives that connection up, so health turns SERVING
+/// again within a few probes and reads succeed, while the frozen
+/// connections stay open behind the proxy.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooled_connection_gone_silent_is_given_up() {
+    let (database, upstream) = database_and_upstream().await;
+    let proxy = ResetProxy::start(upstream).await;
+    let url = format!("postgres://postgres@{}/{database}", proxy.addr);
+    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
+    let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
+    first.expect_ok();
+    let sid = first.session_id();
+    // A read and a few probes: the pool has connections, all idle.
+    lattice.session(&sid).await.unwrap();
+    let warm = Instant::now();
+    while !lattice.serving().await {
+        assert!(warm.elapsed() < Duration::from_secs(5), "not SERVING before the freeze");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    assert!(proxy.freeze_live() > 0, "no database connection was open to freeze");
+    let frozen = Instant::now();
+    while lattice.serving().await {
+        assert!(frozen.elapsed() < Duration::from_secs(5), "still SERVING 5 s after its connections went silent");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The database is fine, new connections reach it: health comes back
+    // once the probes stop waiting on the silent ones.
+    let silent = Instant::now();
+    while !lattice.serving().await {
+        assert!(
+            silent.elapsed() < Duration::from_secs(8),
+            "not SERVING 8 s after NOT_SERVING, with the database answering new connections"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stored = lattice.session(&sid).await.expect("a read after health came back");
+    assert_eq!(stored.messages.iter().map(message_text).next().as_deref(), Some("start"));
+}
+
 /// The same through PgBouncer in transaction pooling mode (Debian's
 /// 1.18, which carries no prepared statement between transactions), with
 /// `prepared_statements = false`: it works, and outcomes stay exact.

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tokio_postgres::types::{ToSql, Type};
 use tracing::warn;
 
-use super::{connect, shared::Lent};
+use super::{connect, pool::Object, shared::Lent};
 use crate::session::StoreError;
 
 /// A statement's parameter and its type.
@@ -21,7 +21,7 @@ pub(super) type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 /// A connection: one of the pool's, the task's alone until it is dropped,
 /// or a shared one.
 pub(super) enum Handle<'a> {
-    Pooled(Box<deadpool_postgres::Object>),
+    Pooled(Box<Object>),
     Shared(Lent<'a>),
 }
 
@@ -44,17 +44,25 @@ pub(super) struct Conn<'a> {
 }
 
 impl Conn<'_> {
-    /// `statement`, marked on a shared connection as awaiting its answer
-    /// until it has one.
-    async fn send<T>(
+    /// `statement`, its connection marked as awaiting an answer until it
+    /// has one: cut off before then, the statement leaves the mark, and a
+    /// pooled connection is given up (see `pool`), a shared one retired
+    /// from its slot (see `shared`).
+    pub(super) async fn send<T>(
         &self,
         statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, tokio_postgres::Error> {
-        let Handle::Shared(lent) = &self.client else { return statement.await };
-        lent.waiting(true);
+        self.waiting(true);
         let answer = statement.await;
-        lent.waiting(false);
+        self.waiting(false);
         answer
+    }
+
+    fn waiting(&self, waiting: bool) {
+        match &self.client {
+            Handle::Pooled(object) => object.waiting(waiting),
+            Handle::Shared(lent) => lent.waiting(waiting),
+        }
     }
 
     /// The rows of `sql` with `params`.
@@ -131,9 +139,9 @@ pub(super) fn pool_error(what: &'static str) -> impl Fn(deadpool_postgres::PoolE
     move |e| unavailable(what, &pool_reason(&e))
 }
 
-/// `fut`, given until `until`: past it, it is dropped (its connection with
-/// it: a statement cut off mid-way leaves no connection in the pool) and
-/// the operation fails as `late`.
+/// `fut`, given until `until`: past it, it is dropped (a statement cut off
+/// mid-way leaves its connection marked, and it is used no more) and the
+/// operation fails as `late`.
 pub(super) async fn bounded<T>(
     until: Instant,
     what: &'static str,

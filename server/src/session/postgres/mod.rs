@@ -45,6 +45,7 @@ mod acquire;
 mod conn;
 mod connect;
 mod lease;
+mod pool;
 mod renew;
 mod schema;
 mod shared;
@@ -59,8 +60,9 @@ use std::{
 };
 
 use conn::{Conn, Handle, Param, bounded, db, pool_error, pool_reason};
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
+use pool::Pool;
 pub use schema::{SchemaError, VERSION as SCHEMA_VERSION};
 use tokio::{sync::watch, time::Instant};
 use tokio_postgres::types::Type;
@@ -147,7 +149,11 @@ impl PostgresStore {
         let connector = connect::Connector::new(target.tls);
         let shared = (settings.pipeline_connections > 0)
             .then(|| Arc::new(shared::Shared::new(pg.clone(), connector.clone(), settings.pipeline_connections)));
-        let manager = Manager::from_connect(pg, connector, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let manager = pool::Manager(deadpool_postgres::Manager::from_connect(
+            pg,
+            connector,
+            ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        ));
         let pool = Pool::builder(manager)
             .max_size(settings.pool_size)
             .wait_timeout(Some(timeout))
@@ -455,7 +461,7 @@ impl SessionStore for PostgresStore {
     fn ready(&self) -> StoreFuture<'_, ()> {
         Box::pin(bounded(self.soon(), "ready", StoreError::Unavailable("postgres"), async move {
             let client = self.conn("ready").await?;
-            client.client.simple_query("SELECT 1").await.map_err(db("ready"))?;
+            client.send(client.client.simple_query("SELECT 1")).await.map_err(db("ready"))?;
             Ok(())
         }))
     }

@@ -8,8 +8,9 @@
 //! schema refuses to start: it would not know the columns a newer one
 //! relies on.
 
-use deadpool_postgres::Pool;
 use tracing::info;
+
+use super::pool::Pool;
 
 /// The schema, one step per version, applied in order, each once.
 const MIGRATIONS: &[&str] = &[
@@ -91,6 +92,9 @@ fn unreachable(e: tokio_postgres::Error) -> SchemaError {
 /// The database's schema version (0: none yet).
 pub async fn version(pool: &Pool) -> Result<i32, SchemaError> {
     let client = pool.get().await.map_err(|e| SchemaError::Unreachable(super::pool_reason(&e)))?;
+    // Marked until the answers come: cut off (or failed) before then, the
+    // connection is given up, not lent again (see `pool`).
+    client.waiting(true);
     let exists = client
         .query_typed_one("SELECT to_regclass('lattice_migrations') IS NOT NULL", &[])
         .await
@@ -99,7 +103,9 @@ pub async fn version(pool: &Pool) -> Result<i32, SchemaError> {
         return Ok(0);
     }
     let row = client.query_typed_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[]).await;
-    row.and_then(|r| r.try_get(0)).map_err(unreachable)
+    let version = row.and_then(|r| r.try_get(0)).map_err(unreachable)?;
+    client.waiting(false);
+    Ok(version)
 }
 
 /// Checks that the database's schema is the one this build uses.
@@ -115,6 +121,9 @@ pub async fn check(pool: &Pool) -> Result<(), SchemaError> {
 /// returns the versions applied.
 pub async fn migrate(pool: &Pool) -> Result<Vec<i32>, SchemaError> {
     let mut client = pool.get().await.map_err(|e| SchemaError::Unreachable(super::pool_reason(&e)))?;
+    // Marked until the transaction ends: cut off, failed or refused
+    // mid-way, the connection is given up, not lent again (see `pool`).
+    client.waiting(true);
     let tx = client.transaction().await.map_err(unreachable)?;
     // Simple-protocol statements only: they pass PgBouncer's transaction
     // pooling, which does not carry prepared statements.
@@ -150,5 +159,6 @@ pub async fn migrate(pool: &Pool) -> Result<Vec<i32>, SchemaError> {
         done.push(version);
     }
     tx.commit().await.map_err(unreachable)?;
+    client.waiting(false);
     Ok(done)
 }
