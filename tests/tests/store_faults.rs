@@ -154,18 +154,10 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals() {
         // have ended the query by then (plus a little for the reply).
         assert!(took < deadline + Duration::from_millis(500), "{code:?} after {took:?}");
     }
-    let not_serving = Instant::now();
-    while lattice.serving().await {
-        assert!(not_serving.elapsed() < Duration::from_secs(5), "still SERVING 5 s after the database froze");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    health_turns(&lattice, false, Duration::from_secs(5), "after the database froze").await;
 
     cluster.thaw();
-    let healing = Instant::now();
-    while !lattice.serving().await {
-        assert!(healing.elapsed() < Duration::from_secs(10), "not SERVING 10 s after the database thawed");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    health_turns(&lattice, true, Duration::from_secs(10), "after the database thawed").await;
     // Every session is usable again: no lease left held, nothing of the
     // failed queries stored.
     for sid in &sessions {
@@ -178,6 +170,31 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals() {
         }
         assert_eq!(out.expect_ok().text, "seen 3", "only the first turn and this one are stored");
     }
+}
+
+/// Waits until health says SERVING (`serving`) or NOT_SERVING, failing
+/// the test if it does not within `within` of now (`when` says of what).
+async fn health_turns(lattice: &Lattice, serving: bool, within: Duration, when: &str) {
+    let start = Instant::now();
+    while lattice.serving().await != serving {
+        let want = if serving { "SERVING" } else { "NOT_SERVING" };
+        assert!(start.elapsed() < within, "not {want} {within:?} {when}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A Lattice whose database connections pass through a proxy (on a new
+/// database of the shared cluster; a store timeout of 1 s), and a session
+/// it created.
+async fn one_session_behind_a_proxy() -> (ResetProxy, Lattice, String) {
+    let (database, upstream) = database_and_upstream().await;
+    let proxy = ResetProxy::start(upstream).await;
+    let url = format!("postgres://postgres@{}/{database}", proxy.addr);
+    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
+    let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
+    first.expect_ok();
+    let sid = first.session_id();
+    (proxy, lattice, sid)
 }
 
 /// A new database on the shared cluster: its name, and where the cluster
@@ -335,13 +352,7 @@ async fn connection_resets_keep_outcomes_exact_on_pooled_connections() {
 /// after it get a fresh connection and succeed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_connection_gone_silent_takes_no_new_statement() {
-    let (database, upstream) = database_and_upstream().await;
-    let proxy = ResetProxy::start(upstream).await;
-    let url = format!("postgres://postgres@{}/{database}", proxy.addr);
-    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
-    let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
-    first.expect_ok();
-    let sid = first.session_id();
+    let (proxy, lattice, sid) = one_session_behind_a_proxy().await;
     for n in 0..3 {
         lattice.query_with(query(&format!("warm {n}"), Some(&sid), Duration::from_secs(5))).await.expect_ok();
     }
@@ -378,38 +389,17 @@ async fn a_connection_gone_silent_takes_no_new_statement() {
 /// connections stay open behind the proxy.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pooled_connection_gone_silent_is_given_up() {
-    let (database, upstream) = database_and_upstream().await;
-    let proxy = ResetProxy::start(upstream).await;
-    let url = format!("postgres://postgres@{}/{database}", proxy.addr);
-    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
-    let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
-    first.expect_ok();
-    let sid = first.session_id();
+    let (proxy, lattice, sid) = one_session_behind_a_proxy().await;
     // A read and a few probes: the pool has connections, all idle.
     lattice.session(&sid).await.unwrap();
-    let warm = Instant::now();
-    while !lattice.serving().await {
-        assert!(warm.elapsed() < Duration::from_secs(5), "not SERVING before the freeze");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    health_turns(&lattice, true, Duration::from_secs(5), "before the freeze").await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     assert!(proxy.freeze_live() > 0, "no database connection was open to freeze");
-    let frozen = Instant::now();
-    while lattice.serving().await {
-        assert!(frozen.elapsed() < Duration::from_secs(5), "still SERVING 5 s after its connections went silent");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    health_turns(&lattice, false, Duration::from_secs(5), "after its connections went silent").await;
     // The database is fine, new connections reach it: health comes back
     // once the probes stop waiting on the silent ones.
-    let silent = Instant::now();
-    while !lattice.serving().await {
-        assert!(
-            silent.elapsed() < Duration::from_secs(8),
-            "not SERVING 8 s after NOT_SERVING, with the database answering new connections"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    health_turns(&lattice, true, Duration::from_secs(8), "after NOT_SERVING, with the database answering").await;
     let stored = lattice.session(&sid).await.expect("a read after health came back");
     assert_eq!(stored.messages.iter().map(message_text).next().as_deref(), Some("start"));
 }
