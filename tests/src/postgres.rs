@@ -366,3 +366,92 @@ impl Drop for PgBouncer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A plain tokio-postgres client over TLS (rustls) to `url` (a TLS-only
+/// cluster's database), trusting `ca` only and checking the server's name
+/// as `sslmode=verify-full` does: for the bench's bare round trip with TLS,
+/// next to the store's statements on the same cluster.
+pub async fn connect_tls(url: &str, ca: &crate::tls::TestCa) -> tokio_postgres::Client {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(ca.pem.as_bytes()).expect("the CA's PEM")).expect("the CA");
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tls = tls::Rustls(tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)));
+    let (client, connection) =
+        tokio_postgres::connect(&format!("{url}?sslmode=require"), tls).await.expect("a TLS connection");
+    tokio::spawn(connection);
+    client
+}
+
+/// tokio-postgres's TLS traits over tokio-rustls.
+mod tls {
+    use std::{
+        future::Future,
+        io,
+        pin::Pin,
+        task::{Context, Poll},
+    };
+
+    use rustls::pki_types::ServerName;
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+    use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
+
+    type Socket = tokio_postgres::Socket;
+
+    #[derive(Clone)]
+    pub struct Rustls(pub tokio_rustls::TlsConnector);
+
+    pub struct Connect(tokio_rustls::TlsConnector, ServerName<'static>);
+
+    pub struct Stream(tokio_rustls::client::TlsStream<Socket>);
+
+    impl MakeTlsConnect<Socket> for Rustls {
+        type Stream = Stream;
+        type TlsConnect = Connect;
+        type Error = io::Error;
+
+        fn make_tls_connect(&mut self, host: &str) -> io::Result<Connect> {
+            let name = ServerName::try_from(host.to_owned()).map_err(|e| io::Error::other(e.to_string()))?;
+            Ok(Connect(self.0.clone(), name))
+        }
+    }
+
+    impl TlsConnect<Socket> for Connect {
+        type Stream = Stream;
+        type Error = io::Error;
+        type Future = Pin<Box<dyn Future<Output = io::Result<Stream>> + Send>>;
+
+        fn connect(self, socket: Socket) -> Self::Future {
+            Box::pin(async move { Ok(Stream(self.0.connect(self.1, socket).await?)) })
+        }
+    }
+
+    impl tokio_postgres::tls::TlsStream for Stream {
+        fn channel_binding(&self) -> ChannelBinding {
+            ChannelBinding::none()
+        }
+    }
+
+    impl AsyncRead for Stream {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Stream {
+        fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.0).poll_write(cx, buf)
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.0).poll_flush(cx)
+        }
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.0).poll_shutdown(cx)
+        }
+    }
+}

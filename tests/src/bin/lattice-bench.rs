@@ -35,7 +35,7 @@ use lattice_tests::{
     cfg,
     fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnResult},
-    postgres::Cluster,
+    postgres::{self, Cluster},
     tls::TestCa,
     tool::{ToolDef, ToolServer},
 };
@@ -281,7 +281,8 @@ async fn stores(queries: usize, split_cores: bool) {
     let ca = TestCa::new("bench-pg");
     let leaf = ca.issue("127.0.0.1");
     let tls_cluster = Cluster::tls_only(&leaf.cert_pem, &leaf.key_pem).await;
-    let tls_url = format!("{}?sslmode=verify-full&sslrootcert={}", tls_cluster.database().await, ca.file.display());
+    let tls_database = tls_cluster.database().await;
+    let tls_url = format!("{tls_database}?sslmode=verify-full&sslrootcert={}", ca.file.display());
     // Every core, read before any pinning (which the count follows).
     let all_cores = format!("0-{}", std::thread::available_parallelism().map_or(1, |n| n.get()) - 1);
     if split_cores {
@@ -289,13 +290,20 @@ async fn stores(queries: usize, split_cores: bool) {
         pin(std::process::id(), "0");
         postgres_pids().into_iter().for_each(|pid| pin(pid, "1"));
     }
-    let round_trip = bare_round_trip(&database).await;
+    let round_trip = {
+        let (client, connection) = tokio_postgres::connect(&database, tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        bare_round_trip(&client).await
+    };
+    let tls_round_trip = bare_round_trip(&postgres::connect_tls(&tls_database, &ca).await).await;
     println!();
     println!("session store: each client continuing a session of its own (1 model request a query, no trace)");
     if split_cores {
         println!("split cores: Lattice and its clients on core 0, PostgreSQL on core 1");
     }
-    println!("a bare statement round trip (SELECT 1, plaintext, p50 of 2,000): {round_trip:.2?}");
+    println!(
+        "a bare statement round trip (SELECT 1, p50 of 2,000): {round_trip:.2?} plaintext, {tls_round_trip:.2?} with TLS"
+    );
     println!("{:>12} {:>8} {:>9} {:>10} {:>10} {:>12}", "store", "clients", "messages", "p50", "p99", "queries/s");
     // (p50 at 1 client, queries/s at 16, and at 16 the CPU per query of
     // this process, Lattice and its clients, and of PostgreSQL's) of each
@@ -382,10 +390,17 @@ async fn stores(queries: usize, split_cores: bool) {
     let (_, memory_p50, memory_rate, memory_cpu, _) = figures[0];
     for (store, p50, rate, ours, database) in &figures[1..] {
         let added = p50.saturating_sub(memory_p50);
+        let two = |rt: Duration| added.as_secs_f64() / (2.0 * rt.as_secs_f64());
+        // With TLS, also against bare round trips over TLS: how much of
+        // what the store adds is TLS making every round trip dearer.
+        let over_tls = match *store {
+            "postgres+tls" => format!(" ({:.2}x two bare round trips over TLS)", two(tls_round_trip)),
+            _ => String::new(),
+        };
         println!(
-            "{store}: added p50 over memory {added:.2?} = {:.2}x two bare round trips (goal <= 1.5); \
+            "{store}: added p50 over memory {added:.2?} = {:.2}x two bare round trips{over_tls} (goal <= 1.5); \
              queries/s at 16 clients {:.0} % of memory's (goal >= 80 %)",
-            added.as_secs_f64() / (2.0 * round_trip.as_secs_f64()),
+            two(round_trip),
             100.0 * rate / memory_rate
         );
         // At 16 clients the row is bound by the two cores: with PostgreSQL
@@ -428,11 +443,9 @@ fn pin(pid: u32, cores: &str) {
     assert!(status.is_ok_and(|s| s.success()), "taskset could not pin process {pid} to cores {cores}");
 }
 
-/// The p50 of a bare statement round trip to the database at `url`
-/// (`SELECT 1`, typed, as the store sends its statements).
-async fn bare_round_trip(url: &str) -> Duration {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+/// The p50 of a bare statement round trip on `client` (`SELECT 1`,
+/// typed, as the store sends its statements).
+async fn bare_round_trip(client: &tokio_postgres::Client) -> Duration {
     let mut times = Vec::with_capacity(2000);
     for _ in 0..2000 {
         let start = Instant::now();
