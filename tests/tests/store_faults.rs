@@ -184,13 +184,14 @@ async fn health_turns(lattice: &Lattice, serving: bool, within: Duration, when: 
 }
 
 /// A Lattice whose database connections pass through a proxy (on a new
-/// database of the shared cluster; a store timeout of 1 s), and a session
-/// it created.
-async fn one_session_behind_a_proxy() -> (ResetProxy, Lattice, String) {
+/// database of the shared cluster; a store timeout of 1 s; `extra`: more
+/// `[sessions]` keys), and a session it created.
+async fn one_session_behind_a_proxy(extra: &str) -> (ResetProxy, Lattice, String) {
     let (database, upstream) = database_and_upstream().await;
     let proxy = ResetProxy::start(upstream).await;
     let url = format!("postgres://postgres@{}/{database}", proxy.addr);
-    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000\n"), &[(URL_ENV, url.as_str())]).await;
+    let keys = format!("store_timeout_ms = 1000\n{extra}");
+    let lattice = Lattice::spawn(&config(0, &keys), &[(URL_ENV, url.as_str())]).await;
     let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
     first.expect_ok();
     let sid = first.session_id();
@@ -352,7 +353,22 @@ async fn connection_resets_keep_outcomes_exact_on_pooled_connections() {
 /// after it get a fresh connection and succeed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_connection_gone_silent_takes_no_new_statement() {
-    let (proxy, lattice, sid) = one_session_behind_a_proxy().await;
+    silent_connection_costs_few_queries("").await;
+}
+
+/// The same with each statement on a pooled connection of its own
+/// (`pipeline_connections = 0`): the pool gives up a connection whose
+/// statement was cut off.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooled_connection_gone_silent_takes_no_new_statement() {
+    silent_connection_costs_few_queries("pipeline_connections = 0\n").await;
+}
+
+/// Freezes every open database connection of a Lattice (with `extra`
+/// `[sessions]` keys) and runs queries one after another for 5 s: a few
+/// fail in the first seconds, none after, and none that failed is stored.
+async fn silent_connection_costs_few_queries(extra: &str) {
+    let (proxy, lattice, sid) = one_session_behind_a_proxy(extra).await;
     for n in 0..3 {
         lattice.query_with(query(&format!("warm {n}"), Some(&sid), Duration::from_secs(5))).await.expect_ok();
     }
@@ -389,7 +405,7 @@ async fn a_connection_gone_silent_takes_no_new_statement() {
 /// connections stay open behind the proxy.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pooled_connection_gone_silent_is_given_up() {
-    let (proxy, lattice, sid) = one_session_behind_a_proxy().await;
+    let (proxy, lattice, sid) = one_session_behind_a_proxy("").await;
     // A read and a few probes: the pool has connections, all idle.
     lattice.session(&sid).await.unwrap();
     health_turns(&lattice, true, Duration::from_secs(5), "before the freeze").await;
