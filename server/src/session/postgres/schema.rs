@@ -99,11 +99,12 @@ pub async fn version(pool: &Pool) -> Result<i32, SchemaError> {
         .query_typed_one("SELECT to_regclass('lattice_migrations') IS NOT NULL", &[])
         .await
         .map_err(unreachable)?;
-    if !exists.try_get::<_, bool>(0).map_err(unreachable)? {
-        return Ok(0);
-    }
-    let row = client.query_typed_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[]).await;
-    let version = row.and_then(|r| r.try_get(0)).map_err(unreachable)?;
+    let version = if exists.try_get::<_, bool>(0).map_err(unreachable)? {
+        let row = client.query_typed_one("SELECT coalesce(max(version), 0) FROM lattice_migrations", &[]).await;
+        row.and_then(|r| r.try_get(0)).map_err(unreachable)?
+    } else {
+        0
+    };
     client.waiting(false);
     Ok(version)
 }
