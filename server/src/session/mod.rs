@@ -20,7 +20,7 @@ mod postgres;
 use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
-pub use postgres::{PostgresStore, SCHEMA_VERSION, SchemaError};
+pub use postgres::{PostgresStore, SCHEMA_VERSION, SchemaError, connect_once as connect_postgres_once};
 use tokio::{sync::watch, time::Instant};
 
 use crate::domain::Message;

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use lattice_server::{
     config::PostgresSettings,
     domain::Message,
-    session::{PostgresStore, SessionStore},
+    session::{PostgresStore, SessionStore, connect_postgres_once},
 };
 use lattice_tests::{
     Lattice, QueryOpts,
@@ -35,7 +35,7 @@ use lattice_tests::{
     cfg,
     fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnResult},
-    postgres::{self, Cluster},
+    postgres::Cluster,
     tls::TestCa,
     tool::{ToolDef, ToolServer},
 };
@@ -281,8 +281,7 @@ async fn stores(queries: usize, split_cores: bool) {
     let ca = TestCa::new("bench-pg");
     let leaf = ca.issue("127.0.0.1");
     let tls_cluster = Cluster::tls_only(&leaf.cert_pem, &leaf.key_pem).await;
-    let tls_database = tls_cluster.database().await;
-    let tls_url = format!("{tls_database}?sslmode=verify-full&sslrootcert={}", ca.file.display());
+    let tls_url = format!("{}?sslmode=verify-full&sslrootcert={}", tls_cluster.database().await, ca.file.display());
     // Every core, read before any pinning (which the count follows).
     let all_cores = format!("0-{}", std::thread::available_parallelism().map_or(1, |n| n.get()) - 1);
     if split_cores {
@@ -295,7 +294,8 @@ async fn stores(queries: usize, split_cores: bool) {
         tokio::spawn(connection);
         bare_round_trip(&client).await
     };
-    let tls_round_trip = bare_round_trip(&postgres::connect_tls(&tls_database, &ca).await).await;
+    // Over TLS as the store's own connections: verify-full with the CA.
+    let tls_round_trip = bare_round_trip(&connect_postgres_once(&tls_url).await.unwrap()).await;
     println!();
     println!("session store: each client continuing a session of its own (1 model request a query, no trace)");
     if split_cores {

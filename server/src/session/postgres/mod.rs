@@ -118,6 +118,19 @@ fn parse<'t>(session_id: &str, stored: impl Iterator<Item = &'t str>) -> Result<
         .collect()
 }
 
+/// One connection to the database at `url` (libpq's forms; TLS as its
+/// `sslmode` says), made as the store makes its own, outside any pool: for
+/// tools that time the database itself, as `lattice-bench` does. Err: why
+/// (never the URL).
+pub async fn connect_once(url: &str) -> Result<tokio_postgres::Client, String> {
+    use deadpool_postgres::Connect as _;
+    let target = url::parse(url)?;
+    let connector = connect::Connector::new(target.tls);
+    // (The connection's task runs on until the client is dropped.)
+    let (client, _task) = connector.connect(&target.config).await.map_err(|e| connect::reason(&e))?;
+    Ok(client)
+}
+
 impl PostgresStore {
     /// A pool for `settings` (nothing connects yet). Err: the connection
     /// string can't be used (said without quoting it).
