@@ -14,14 +14,19 @@ use lattice_tests::{
     tool::ToolDef, tool::ToolServer, workspace_root,
 };
 
-/// Runs `program args…` in the repository, failing with its output.
-async fn run(program: &str, args: &[&str]) -> String {
-    let out = tokio::process::Command::new(program)
+/// Runs `program args…` in `dir` to its end: what it returned and wrote.
+async fn output_in(dir: &std::path::Path, program: &str, args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(program)
         .args(args)
-        .current_dir(workspace_root())
+        .current_dir(dir)
         .output()
         .await
-        .unwrap_or_else(|e| panic!("{program}: {e}"));
+        .unwrap_or_else(|e| panic!("{program}: {e}"))
+}
+
+/// Runs `program args…` in the repository, failing with its output.
+async fn run(program: &str, args: &[&str]) -> String {
+    let out = output_in(&workspace_root(), program, args).await;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
     text
@@ -51,13 +56,11 @@ async fn the_python_package_installs_into_a_fresh_venv_and_passes_its_tests() {
     .await;
     assert!(where_.contains(venv.to_str().unwrap()), "imported from the venv: {where_}");
     assert!(where_.trim_end().ends_with("True"), "py.typed is installed: {where_}");
+    // Run from outside the repository's tree, as a user's project would.
+    let outside = venv.parent().unwrap();
     let tests = workspace_root().join("hook-sdk/python/tests");
-    let out = tokio::process::Command::new(python)
-        .args(["-m", "unittest", "discover", "-s", tests.to_str().unwrap(), "-t", tests.to_str().unwrap(), "-v"])
-        .current_dir(venv.parent().unwrap())
-        .output()
-        .await
-        .unwrap();
+    let tests = tests.to_str().unwrap();
+    let out = output_in(outside, python, &["-m", "unittest", "discover", "-s", tests, "-t", tests, "-v"]).await;
     let report = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the package's tests failed:\n{report}");
     let ran: usize = report
@@ -71,15 +74,10 @@ async fn the_python_package_installs_into_a_fresh_venv_and_passes_its_tests() {
     run(python, &["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "mypy==2.4.1"]).await;
     let config = workspace_root().join("hook-sdk/python/pyproject.toml");
     let config = config.to_str().unwrap();
-    let checked = tokio::process::Command::new(python)
-        .args(["-m", "mypy", "--config-file", config, "-p", "lattice_hook"])
-        .current_dir(venv.parent().unwrap())
-        .output()
-        .await
-        .unwrap();
+    let checked = output_in(outside, python, &["-m", "mypy", "--config-file", config, "-p", "lattice_hook"]).await;
     let said = String::from_utf8_lossy(&checked.stdout);
     assert!(checked.status.success(), "mypy --strict on the package:\n{said}");
-    let hook = venv.parent().unwrap().join("typed_hook.py");
+    let hook = outside.join("typed_hook.py");
     std::fs::write(
         &hook,
         "import lattice_hook\n\n\nclass Shout:\n    \
@@ -87,12 +85,7 @@ async fn the_python_package_installs_into_a_fresh_venv_and_passes_its_tests() {
          size: int = call.result.content[0].text\n        return call.text.upper() if size else None\n",
     )
     .unwrap();
-    let checked = tokio::process::Command::new(python)
-        .args(["-m", "mypy", "--config-file", config, hook.to_str().unwrap()])
-        .current_dir(venv.parent().unwrap())
-        .output()
-        .await
-        .unwrap();
+    let checked = output_in(outside, python, &["-m", "mypy", "--config-file", config, hook.to_str().unwrap()]).await;
     let said = String::from_utf8_lossy(&checked.stdout);
     assert!(said.contains("typed_hook.py:6: error: Incompatible types in assignment"), "{said}");
     assert!(said.contains("Found 1 error"), "{said}");
