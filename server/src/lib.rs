@@ -224,6 +224,8 @@ async fn serve(
     // Readiness follows the runtime new queries take.
     let weak = Arc::downgrade(&live);
     let ready = move || weak.upgrade().map_or(Err("stopping".to_owned()), |live| live.current().ready());
+    // Leases kept between queries are given back once the last query ended.
+    let keeping = postgres.clone();
     let follow = health::follow_store(health.clone(), store, postgres, ready, draining.clone(), store_ok, serving);
     tokio::spawn(follow);
 
@@ -291,6 +293,9 @@ async fn serve(
         (None, false) => server.serve_with_incoming_shutdown(incoming(listener), shutdown).await,
     };
     stopped.cancel();
+    if let Some(store) = keeping {
+        store.give_back_kept().await;
+    }
     served?;
     info!("stopped");
     Ok(())

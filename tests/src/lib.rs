@@ -379,6 +379,13 @@ impl Lattice {
         self.process.as_ref().and_then(|(child, _)| child.0.id())
     }
 
+    /// Waits for a spawned process to exit (after a signal), for `within`
+    /// at most: whether it did.
+    pub async fn exited(&mut self, within: Duration) -> bool {
+        let Some((child, _)) = &mut self.process else { return false };
+        tokio::time::timeout(within, child.0.wait()).await.is_ok()
+    }
+
     /// Kills a spawned process at once (SIGKILL: no drain, no release).
     pub fn kill(&mut self) {
         if let Some((child, _)) = &mut self.process {

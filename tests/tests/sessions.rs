@@ -16,6 +16,7 @@ use lattice_tests::{
     hook::{Behaviour, HookServer},
     message_text,
     postgres::Cluster,
+    sample,
     tool::{ToolDef, ToolServer},
 };
 use tonic::Code;
@@ -54,6 +55,7 @@ fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server
         pipeline_connections: 2,
         exit_if_unreachable: true,
         history_cache_bytes: cache,
+        keep_lease: Duration::ZERO,
         store_timeout: Duration::from_secs(5),
         migrate: true,
         prepared_statements: true,
@@ -61,11 +63,25 @@ fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server
     lattice_server::session::PostgresStore::new(&settings, lease_ttl, Duration::from_secs(3600)).unwrap()
 }
 
+/// A replica's `[sessions]` keys that keep leases between queries.
+const KEEP: &str = "keep_lease_ms = 30000";
+
 /// A session started on replica A is continued on B and read on C: the
-/// same history everywhere.
+/// same history everywhere. Deleted on A, it is gone on every replica,
+/// and B (which ran its last query) finds it no more.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_moves_between_replicas() {
-    let r = replicas(3, &config(0, "")).await;
+    a_session_moves_between_replicas_(&replicas(3, &config(0, "")).await).await;
+}
+
+/// The same with leases kept between queries: B's query is handed the
+/// lease A kept, the delete on A the lease B kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_moves_between_replicas_that_keep_leases() {
+    a_session_moves_between_replicas_(&replicas(3, &config(0, KEEP)).await).await;
+}
+
+async fn a_session_moves_between_replicas_(r: &[Arc<Lattice>]) {
     let first = r[0].query("a", "one").await;
     assert_eq!(first.expect_ok().text, "seen 1");
     let sid = first.session_id();
@@ -75,13 +91,17 @@ async fn a_session_moves_between_replicas() {
     let texts: Vec<String> = on_c.messages.iter().map(message_text).collect();
     assert_eq!(texts, vec!["one", "seen 1", "two", "seen 3"]);
     assert_eq!(r[0].session(&sid).await.unwrap(), on_c);
+    // Back on A: it continues B's turn.
+    assert_eq!(r[0].query_with(continue_(&sid, "three")).await.expect_ok().text, "seen 5");
+    assert_eq!(r[1].query_with(continue_(&sid, "four")).await.expect_ok().text, "seen 7");
     // Deleted on one replica, gone on all.
-    r[1].client()
+    r[0].client()
         .await
         .delete_session(lattice_proto::agent::v1::DeleteSessionRequest { session_id: sid.clone() })
         .await
         .unwrap();
     assert_eq!(r[2].session(&sid).await.unwrap_err().code(), Code::NotFound);
+    assert_eq!(r[1].query_with(continue_(&sid, "five")).await.code(), Code::NotFound);
 }
 
 /// The same session queried on A and B at once: exactly one is refused
@@ -89,7 +109,19 @@ async fn a_session_moves_between_replicas() {
 /// one new turn.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_query_at_a_time_across_replicas() {
-    let r = replicas(2, &config(400, "")).await;
+    one_query_at_a_time_across_replicas_("").await;
+}
+
+/// The same with leases kept between queries: A keeps the lease of its
+/// first query; B, asking for it while A's second query uses it, is told
+/// the session is busy.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_query_at_a_time_across_replicas_that_keep_leases() {
+    one_query_at_a_time_across_replicas_(KEEP).await;
+}
+
+async fn one_query_at_a_time_across_replicas_(extra: &str) {
+    let r = replicas(2, &config(400, extra)).await;
     let sid = r[0].query("a", "start").await.session_id();
     let (a, b) = (r[0].clone(), r[1].clone());
     let (sa, sb) = (sid.clone(), sid.clone());
@@ -107,7 +139,18 @@ async fn one_query_at_a_time_across_replicas() {
 /// exactly two messages per success; none that failed is there.
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_clients_lose_and_duplicate_no_turn() {
-    let r = replicas(3, &config(5, "")).await;
+    concurrent_clients_lose_and_duplicate_no_turn_("").await;
+}
+
+/// The same with leases kept between queries: most queries move to
+/// another replica, which asks for the lease the last one kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_clients_lose_and_duplicate_no_turn_with_kept_leases() {
+    concurrent_clients_lose_and_duplicate_no_turn_(KEEP).await;
+}
+
+async fn concurrent_clients_lose_and_duplicate_no_turn_(extra: &str) {
+    let r = replicas(3, &config(5, extra)).await;
     let mut sessions = Vec::new();
     for i in 0..10 {
         sessions.push(r[i % 3].query("a", &format!("open {i}")).await.session_id());
@@ -692,4 +735,107 @@ async fn session_row_updates_stay_on_their_page_and_idle_sessions_are_swept() {
     let left: Vec<String> =
         client.query("SELECT id FROM lattice_sessions", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(left, ["busy"]);
+}
+
+/// `keep_lease_ms` belongs to the PostgreSQL store, and must be shorter
+/// than the idle time (a kept lease would outlive its session): refused
+/// otherwise, at its line.
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_lease_ms_is_refused_where_it_cannot_work() {
+    let config = "[sessions]\nstore = \"memory\"\nkeep_lease_ms = 1000\n".to_owned() + &cfg::agent("a", "");
+    let err = Lattice::try_start(&config).await.err().expect("refused");
+    assert!(err.contains("sessions.keep_lease_ms: only the postgres store keeps leases"), "{err}");
+    assert!(err.contains("test.toml:3"), "{err}");
+    let config =
+        "[sessions]\nstore = \"postgres\"\nidle_ttl_s = 60\nkeep_lease_ms = 60000\n".to_owned() + &cfg::agent("a", "");
+    let err =
+        Lattice::try_start_with_env(&config, &[(URL_ENV, "postgres://u@127.0.0.1:1/d")]).await.err().expect("refused");
+    assert!(err.contains("sessions.keep_lease_ms: must be shorter than sessions.idle_ttl_s"), "{err}");
+}
+
+/// The updates of the session rows of the database at `url` so far, once
+/// PostgreSQL's statistics stop moving (a server process sends its own
+/// when it ends, else up to 10 s late).
+async fn session_row_updates(url: &str) -> i64 {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let (mut last, mut since) = (-1, Instant::now());
+    let give_up = Instant::now() + Duration::from_secs(15);
+    loop {
+        // (A statement of its own: statistics are read once per transaction.)
+        let row = client
+            .query_one("SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'lattice_sessions'", &[])
+            .await
+            .unwrap();
+        let now: i64 = row.get(0);
+        if now != last {
+            (last, since) = (now, Instant::now());
+        } else if since.elapsed() > Duration::from_millis(2500) || Instant::now() > give_up {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A replica that keeps leases serves a session's next queries with one
+/// write each, the commit, where taking the lease is a second: counted in
+/// `/metrics` (`read="kept"`) and seen by the database, whose session row
+/// is updated once a query.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_lease_serves_the_sessions_next_queries_with_one_write_each() {
+    let url = Cluster::shared().await.database().await;
+    let mut lattice = Lattice::spawn(&config(0, KEEP), &[(URL_ENV, &url)]).await;
+    let sid = lattice.query("a", "one").await.session_id();
+    for (i, prompt) in ["two", "three", "four"].into_iter().enumerate() {
+        let out = lattice.query_with(continue_(&sid, prompt)).await;
+        assert_eq!(out.expect_ok().text, format!("seen {}", 3 + 2 * i));
+    }
+    let texts: Vec<String> = lattice.session(&sid).await.unwrap().messages.iter().map(message_text).collect();
+    assert_eq!(texts, ["one", "seen 1", "two", "seen 3", "three", "seen 5", "four", "seen 7"]);
+    let text = lattice.metrics().await;
+    let reads = |how: &str| format!("lattice_session_history_reads_total{{read=\"{how}\"}}");
+    assert_eq!(sample(&text, &reads("kept")), Some(3.0), "{text}");
+    assert_eq!(sample(&text, &reads("new_only")), Some(0.0), "{text}");
+    // Stopped, so that its connections end and their statistics are sent.
+    lattice.signal("TERM");
+    assert!(lattice.exited(Duration::from_secs(15)).await, "did not stop");
+    // Created by an insert, then four commits and the lease given back at
+    // shutdown; taking the lease would have added three updates.
+    assert_eq!(session_row_updates(&url).await, 5);
+}
+
+/// A replica shutting down gives back the leases it keeps, so the
+/// sessions' next queries, on another replica, are served at once (the
+/// lease would last 3 s, past the 1 s a query waits for a handover). A
+/// replica that crashes (SIGKILL) cannot: its sessions are busy until
+/// their leases expire, as a session is whose query it was running.
+#[tokio::test(flavor = "multi_thread")]
+async fn kept_leases_are_given_back_at_shutdown_and_expire_after_a_crash() {
+    let config = config(0, &format!("{KEEP}\nlease_ttl_ms = 3000"));
+    let url = Cluster::shared().await.database().await;
+    let env = [(URL_ENV, url.as_str())];
+    let mut a = Lattice::spawn(&config, &env).await;
+    let mut b = Lattice::spawn(&config, &env).await;
+    let kept_by_a = a.query("a", "one").await.session_id();
+    a.signal("TERM");
+    assert!(a.exited(Duration::from_secs(15)).await, "A did not stop");
+    assert_eq!(b.query_with(continue_(&kept_by_a, "two")).await.expect_ok().text, "seen 3");
+
+    let kept_by_b = b.query("a", "one").await.session_id();
+    b.kill();
+    let killed = Instant::now();
+    let c = Lattice::spawn(&config, &env).await;
+    let mut refused = 0;
+    let out = loop {
+        let out = c.query_with(continue_(&kept_by_b, "two")).await;
+        match out.code() {
+            Code::FailedPrecondition => refused += 1,
+            _ => break out,
+        }
+        assert!(killed.elapsed() < Duration::from_secs(15), "the lease never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(out.expect_ok().text, "seen 3");
+    assert!(refused > 0, "the session should have been held until the lease expired");
+    assert!(killed.elapsed() >= Duration::from_secs(2), "served after {:?}", killed.elapsed());
 }

@@ -346,6 +346,16 @@ async fn connection_resets_keep_outcomes_exact_on_pooled_connections() {
     resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), "pipeline_connections = 0").await;
 }
 
+/// The same with leases kept between queries, for 10 s: the clients move
+/// to the other replica with each query, which asks for the lease the
+/// last one kept; each commit keeps it under a token of its own, so a
+/// commit whose reply was lost is still read back exactly.
+#[tokio::test(flavor = "multi_thread")]
+async fn connection_resets_keep_outcomes_exact_with_kept_leases() {
+    let (database, upstream) = database_and_upstream().await;
+    resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), "keep_lease_ms = 30000").await;
+}
+
 /// A database connection that goes silent while the database is fine (a
 /// proxy whose upstream vanished keeps acknowledging, so the kernel never
 /// gives up on it): the query whose statement waits on it ends by its

@@ -48,6 +48,9 @@ pub(super) struct RawSessions {
     /// PostgreSQL: MiB of conversations each replica keeps, so that a
     /// query reads only the messages committed since (0: none kept).
     pub(super) history_cache_mib: Option<Spanned<usize>>,
+    /// PostgreSQL: how long a replica keeps a session's lease after a
+    /// query, so that the session's next query on it takes none (0: off).
+    pub(super) keep_lease_ms: Option<Spanned<u64>>,
     /// "wait" (default): serve NOT_SERVING and retry; "exit": refuse to start.
     pub(super) on_unreachable: Option<Spanned<String>>,
     /// PostgreSQL: how long any statement but a query's lease and commit

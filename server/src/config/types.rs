@@ -61,6 +61,10 @@ pub struct PostgresSettings {
     /// Bytes of conversations this replica keeps, so that taking a lease
     /// reads only the messages committed since (0: none kept).
     pub history_cache_bytes: usize,
+    /// How long a replica keeps a session's lease after a query, so that
+    /// the session's next query on it takes no lease statement (zero: the
+    /// lease is released at each commit).
+    pub keep_lease: Duration,
     /// How long any statement but a query's lease and commit may wait for
     /// the database (renewals, releases, reads, deletes, sweeps, health).
     pub store_timeout: Duration,
@@ -82,6 +86,7 @@ impl fmt::Debug for PostgresSettings {
             .field("pipeline_connections", &self.pipeline_connections)
             .field("exit_if_unreachable", &self.exit_if_unreachable)
             .field("history_cache_bytes", &self.history_cache_bytes)
+            .field("keep_lease", &self.keep_lease)
             .field("store_timeout", &self.store_timeout)
             .field("migrate", &self.migrate)
             .field("prepared_statements", &self.prepared_statements)

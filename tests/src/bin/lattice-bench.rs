@@ -310,16 +310,23 @@ async fn stores(queries: usize, split_cores: bool) {
     // store.
     let mut figures: Vec<(&str, Duration, f64, Duration, Duration)> = Vec::new();
     // `pg-no-pipe`: each of a query's statements on a pooled connection
-    // of its own, as before queries shared pipelined connections.
+    // of its own, as before queries shared pipelined connections. `+keep`:
+    // leases kept between queries (`keep_lease_ms`), so a session's next
+    // query on the replica takes none.
     for (store, url) in [
         ("memory", database.as_str()),
         ("postgres", database.as_str()),
         ("postgres+tls", tls_url.as_str()),
+        ("postgres+keep", database.as_str()),
+        ("pg+tls+keep", tls_url.as_str()),
         ("pg-no-pipe", database.as_str()),
     ] {
         let sessions = match store {
             "memory" => "[sessions]\nstore = \"memory\"\n",
             "pg-no-pipe" => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\npipeline_connections = 0\n",
+            "postgres+keep" | "pg+tls+keep" => {
+                "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\nkeep_lease_ms = 30000\n"
+            }
             _ => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
         };
         let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
@@ -394,7 +401,7 @@ async fn stores(queries: usize, split_cores: bool) {
         // With TLS, also against bare round trips over TLS: how much of
         // what the store adds is TLS making every round trip dearer.
         let over_tls = match *store {
-            "postgres+tls" => format!(" ({:.2}x two bare round trips over TLS)", two(tls_round_trip)),
+            "postgres+tls" | "pg+tls+keep" => format!(" ({:.2}x two bare round trips over TLS)", two(tls_round_trip)),
             _ => String::new(),
         };
         println!(
@@ -470,6 +477,7 @@ async fn commits() {
             pipeline_connections: 2,
             exit_if_unreachable: true,
             history_cache_bytes: cache,
+            keep_lease: Duration::ZERO,
             store_timeout: Duration::from_secs(5),
             migrate: true,
             prepared_statements: true,

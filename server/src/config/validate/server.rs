@@ -241,6 +241,12 @@ impl Validator<'_> {
                 self.problem(None, f, "must be at least 1");
             }
         }
+        if let Some(keep) = &s.keep_lease_ms
+            && *keep.get_ref() >= s.idle_ttl_s.unwrap_or(defaults::IDLE_TTL_S).saturating_mul(1000)
+        {
+            let why = "must be shorter than sessions.idle_ttl_s (a kept lease would outlive its idle session)";
+            self.problem(Some(keep.span()), "sessions.keep_lease_ms", why);
+        }
         let exit_if_unreachable = match s.on_unreachable.as_ref().map(|o| (o.get_ref().as_str(), o.span())) {
             None | Some(("wait", _)) => false,
             Some(("exit", _)) => true,
@@ -271,6 +277,10 @@ impl Validator<'_> {
                     let why = "only the postgres store keeps a cache (the memory store holds every conversation)";
                     self.problem(Some(mib.span()), "sessions.history_cache_mib", why);
                 }
+                if let Some(keep) = &s.keep_lease_ms {
+                    let why = "only the postgres store keeps leases between queries (the memory store takes none)";
+                    self.problem(Some(keep.span()), "sessions.keep_lease_ms", why);
+                }
                 StoreSettings::Memory
             }
             Some(("postgres", span)) => {
@@ -290,6 +300,7 @@ impl Validator<'_> {
                         .as_ref()
                         .map_or(defaults::HISTORY_CACHE_MIB, |m| *m.get_ref())
                         .saturating_mul(1024 * 1024),
+                    keep_lease: ms(s.keep_lease_ms.as_ref().map_or(0, |k| *k.get_ref())),
                     store_timeout: ms(s.store_timeout_ms.unwrap_or(defaults::STORE_TIMEOUT_MS).max(1)),
                     migrate,
                     prepared_statements: s.prepared_statements.unwrap_or(true),

@@ -3,10 +3,12 @@
 //! know yet; then the renewer.
 
 use super::*;
+use crate::session::postgres::kept;
 
 impl PostgresStore {
     /// Takes a session's lease (see [`SessionStore::acquire_as`]) under
-    /// `token`.
+    /// `token`. Ok(None): another replica keeps it, and was asked to hand
+    /// it over (or it was released just now): try again shortly.
     pub(super) async fn lease(
         &self,
         session_id: &str,
@@ -14,8 +16,10 @@ impl PostgresStore {
         owner: Option<&str>,
         create: bool,
         token: uuid::Uuid,
-    ) -> Result<Lease, StoreError> {
+    ) -> Result<Option<Lease>, StoreError> {
         let client = self.query_conn("acquire").await?;
+        // The lease holds until `lease_ttl` after the statement was sent.
+        let sent = Instant::now();
         let (session, version, born) = if create {
             let owner = owner.unwrap_or_default();
             let params: [Param<'_>; 5] = [
@@ -65,7 +69,7 @@ impl PostgresStore {
                     "WITH lease AS (
                          UPDATE lattice_sessions
                          SET lease_token = $2, lease_expires = now() + $3 * interval '1 millisecond',
-                             touched_at = now(), touched_minute = date_trunc('minute', now())
+                             lease_kept = false, lease_wanted = false, touched_at = now(), touched_minute = date_trunc('minute', now())
                          WHERE id = $1 AND touched_at > now() - $4 * interval '1 second'
                            AND ($5::text IS NULL OR owner = $5)
                            AND (lease_token IS NULL OR lease_expires < now())
@@ -89,15 +93,11 @@ impl PostgresStore {
                 .await
                 .map_err(db("acquire"))?;
             let Some(row) = row else {
-                let found = client
-                    .maybe_row(
-                        "SELECT 1 FROM lattice_sessions WHERE id = $1 AND touched_at > now() - $2 * interval '1 second'
-                           AND ($3::text IS NULL OR owner = $3)",
-                        &[(&session_id, Type::TEXT), (&self.idle_s(), Type::FLOAT8), (&owner, Type::TEXT)],
-                    )
-                    .await
-                    .map_err(db("acquire"))?;
-                return Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound });
+                return match self.holder(&client, session_id, owner, Some(self.idle_s())).await? {
+                    Holder::Missing => Err(StoreError::NotFound),
+                    Holder::Busy => Err(StoreError::Busy),
+                    Holder::Kept | Holder::Free => Ok(None),
+                };
             };
             let column = |i: usize| row.try_get::<_, i64>(i).map_err(db("acquire"));
             let agent: String = row.try_get(0).map_err(db("acquire"))?;
@@ -142,7 +142,7 @@ impl PostgresStore {
         let count = session.messages.len();
         let (lost_tx, lost) = watch::channel(false);
         let done = CancellationToken::new();
-        self.renew(session_id.to_owned(), token, lost_tx, done.clone());
+        self.renew(session_id.to_owned(), token, sent + self.lease_ttl, lost_tx, done.clone());
         let holder = PgLease {
             store: self.clone(),
             id: session_id.to_owned(),
@@ -151,8 +151,123 @@ impl PostgresStore {
             created: create,
             born,
             count,
+            agent: session.agent.clone(),
+            owner: owner.map(str::to_owned),
             done,
         };
-        Ok(Lease::new(session, create, Arc::new(holder), lost))
+        Ok(Some(Lease::new(session, create, Arc::new(holder), lost)))
     }
+
+    /// A lease this replica kept from the session's last query (see
+    /// `kept`): no statement, unless the history must be read (this
+    /// replica's cache no longer holds it). Err: the lease is given back.
+    pub(super) async fn kept_lease(
+        &self,
+        session_id: &str,
+        entry: kept::Entry,
+        deadline: Instant,
+    ) -> Result<Lease, StoreError> {
+        let known = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.get(session_id))
+            .filter(|k| k.born == entry.born && k.messages.len() == entry.count);
+        let messages = match known {
+            Some(known) => {
+                self.reads_kept.fetch_add(1, Ordering::Relaxed);
+                known.messages.as_ref().clone()
+            }
+            None => {
+                // Nobody else can commit while the lease is kept: the
+                // history is the first `count` messages.
+                let count = clamp(entry.count);
+                let read = async {
+                    let client = self.conn("read").await?;
+                    Self::messages(&client, session_id, 0, count).await
+                };
+                match bounded(deadline, "read", StoreError::Deadline, read).await {
+                    Ok(messages) => {
+                        self.reads_whole.fetch_add(1, Ordering::Relaxed);
+                        if let Some(cache) = &self.cache {
+                            cache.put(session_id, entry.born, &messages);
+                        }
+                        messages
+                    }
+                    Err(e) => {
+                        let give_back = self.give_back_later(session_id.to_owned(), entry.token, false);
+                        let _ = tokio::time::timeout_at(deadline, give_back).await;
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let (lost_tx, lost) = watch::channel(false);
+        let done = CancellationToken::new();
+        self.renew(session_id.to_owned(), entry.token, entry.held_until, lost_tx, done.clone());
+        let session = StoredSession { agent: entry.agent.clone(), messages };
+        let holder = PgLease {
+            store: self.clone(),
+            id: session_id.to_owned(),
+            token: entry.token,
+            version: entry.version,
+            created: false,
+            born: entry.born,
+            count: entry.count,
+            agent: entry.agent,
+            owner: entry.owner,
+            done,
+        };
+        Ok(Lease::new(session, false, Arc::new(holder), lost))
+    }
+
+    /// Who holds session `id`'s lease, when taking it failed; a lease
+    /// another replica keeps is asked for (`lease_wanted`). The session is
+    /// missing when not `owner`'s (if set) or idle past `idle_s` (if set).
+    pub(super) async fn holder(
+        &self,
+        client: &Conn<'_>,
+        session_id: &str,
+        owner: Option<&str>,
+        idle_s: Option<f64>,
+    ) -> Result<Holder, StoreError> {
+        let row = client
+            .maybe_row(
+                "WITH s AS (
+                     SELECT lease_token IS NOT NULL AND lease_expires >= now() AS held, lease_kept AS kept
+                     FROM lattice_sessions
+                     WHERE id = $1 AND ($2::text IS NULL OR owner = $2)
+                       AND ($3::float8 IS NULL OR touched_at > now() - $3 * interval '1 second')
+                 ), asked AS (
+                     UPDATE lattice_sessions SET lease_wanted = true
+                     WHERE id = $1 AND lease_kept AND NOT lease_wanted AND lease_token IS NOT NULL
+                       AND EXISTS (SELECT 1 FROM s WHERE held AND kept)
+                     RETURNING 1
+                 )
+                 SELECT held, kept FROM s",
+                &[(&session_id, Type::TEXT), (&owner, Type::TEXT), (&idle_s, Type::FLOAT8)],
+            )
+            .await
+            .map_err(db("acquire"))?;
+        let Some(row) = row else { return Ok(Holder::Missing) };
+        let (held, kept): (bool, bool) =
+            (row.try_get(0).map_err(db("acquire"))?, row.try_get(1).map_err(db("acquire"))?);
+        Ok(match (held, kept) {
+            (false, _) => Holder::Free,
+            (true, false) => Holder::Busy,
+            (true, true) => Holder::Kept,
+        })
+    }
+}
+
+/// Who holds a session's lease (see [`PostgresStore::holder`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Holder {
+    /// No such session (of this owner).
+    Missing,
+    /// Nobody (released just now).
+    Free,
+    /// A running query.
+    Busy,
+    /// A replica keeps it between queries, and was asked for it.
+    Kept,
 }

@@ -10,7 +10,8 @@ use tracing::{debug, warn};
 
 use super::{
     PostgresStore,
-    conn::{Param, bounded, db},
+    conn::{Conn, Param, bounded, db},
+    kept,
 };
 use crate::{
     domain::Message,
@@ -29,14 +30,19 @@ pub(super) struct PgLease {
     /// was taken: where a commit's messages go in the cache.
     pub(super) born: i64,
     pub(super) count: usize,
+    /// The session's agent, and the owner the lease was taken for: kept
+    /// with the lease for the session's next query.
+    pub(super) agent: String,
+    pub(super) owner: Option<String>,
     /// Stops the renewer.
     pub(super) done: CancellationToken,
 }
 
 /// What became of a commit statement.
 enum Sent {
-    /// It ran and committed.
-    Committed,
+    /// It ran and committed, and kept the lease under its new token (not
+    /// if another replica had asked for it).
+    Committed { kept: bool },
     /// It ran and found the lease gone (expired and taken over): nothing
     /// was written.
     LeaseGone,
@@ -49,8 +55,9 @@ enum Sent {
 }
 
 impl PgLease {
-    /// The commit statement, once.
-    async fn send_commit(&self, rows: &[String]) -> Sent {
+    /// The commit statement, once; with `keep`, keeping the lease under
+    /// the token `next`.
+    async fn send_commit(&self, rows: &[String], keep: Option<uuid::Uuid>) -> Sent {
         let Ok(client) = self.store.query_conn("commit").await else { return Sent::NotWritten };
         let n = rows.len() as i64;
         // One statement, so one round trip and atomic: the version bump
@@ -64,12 +71,15 @@ impl PgLease {
             (&n, Type::INT8),
             (&rows, Type::TEXT_ARRAY),
         ];
+        if let Some(next) = keep {
+            return self.send_keeping_commit(&client, &params, next).await;
+        }
         let result = client
             .maybe_row(
                 "WITH bump AS (
                      UPDATE lattice_sessions
                      SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-                         lease_token = NULL, lease_expires = NULL,
+                         lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false,
                          touched_at = now(), touched_minute = date_trunc('minute', now())
                      WHERE id = $1 AND lease_token = $2 AND version = $3
                      RETURNING message_count - $4 AS first
@@ -83,15 +93,70 @@ impl PgLease {
             )
             .await;
         // (`SELECT count(*)` returns one row; none would mean no commit.)
-        match result.and_then(|row| row.map_or(Ok(0), |r| r.try_get::<_, i64>(0))) {
-            Ok(1) => Sent::Committed,
-            Ok(_) => Sent::LeaseGone,
-            Err(e) => {
-                let refused = e.as_db_error().is_some();
-                db("commit")(e);
-                if refused { Sent::NotWritten } else { Sent::Unknown }
-            }
-        }
+        sent(result.and_then(|row| row.map_or(Ok(0), |r| r.try_get::<_, i64>(0))).map(|n| (n, false)))
+    }
+
+    /// The commit statement keeping the lease under the token `next` (a
+    /// token of its own for each commit: the read-back tells them apart),
+    /// unless another replica asked for it: then it releases it.
+    async fn send_keeping_commit(&self, client: &Conn<'_>, params: &[Param<'_>; 5], next: uuid::Uuid) -> Sent {
+        let ttl = self.store.ttl_ms();
+        let params: [Param<'_>; 7] = [
+            params[0].clone(),
+            params[1].clone(),
+            params[2].clone(),
+            params[3].clone(),
+            params[4].clone(),
+            (&next, Type::UUID),
+            (&ttl, Type::FLOAT8),
+        ];
+        let result = client
+            .maybe_row(
+                "WITH bump AS (
+                     UPDATE lattice_sessions
+                     SET version = version + 1, message_count = message_count + $4, last_commit = $2,
+                         lease_token = CASE WHEN lease_wanted THEN NULL ELSE $6::uuid END,
+                         lease_expires = CASE WHEN lease_wanted THEN NULL
+                                              ELSE now() + $7 * interval '1 millisecond' END,
+                         lease_kept = NOT lease_wanted, lease_wanted = false,
+                         touched_at = now(), touched_minute = date_trunc('minute', now())
+                     WHERE id = $1 AND lease_token = $2 AND version = $3
+                     RETURNING message_count - $4 AS first, lease_kept AS kept
+                 ), rows AS (
+                     INSERT INTO lattice_messages (session_id, seq, message)
+                     SELECT $1, bump.first + t.ord - 1, t.m
+                     FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
+                 )
+                 SELECT count(*), coalesce(bool_or(kept), false) FROM bump",
+                &params,
+            )
+            .await;
+        sent(
+            result.and_then(|row| {
+                row.map_or(Ok((0, false)), |r| Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, bool>(1)?)))
+            }),
+        )
+    }
+
+    /// After a commit that landed: keeps the lease under `next` for the
+    /// session's next query, or (None) no longer keeps it.
+    fn kept(&self, next: Option<uuid::Uuid>, appended: usize, started: Instant) {
+        let Some(kept) = &self.store.kept else { return };
+        kept.forget(&self.id, self.token);
+        let Some(token) = next else { return };
+        let entry = kept::Entry {
+            token,
+            version: self.version + 1,
+            count: self.count + appended,
+            born: self.born,
+            agent: self.agent.clone(),
+            owner: self.owner.clone(),
+            held_until: started + self.store.lease_ttl,
+            idle_since: started,
+            in_use: false,
+        };
+        kept.keep(&self.id, entry);
+        self.store.start_keeper();
     }
 
     /// Gives the lease back by token in a task of its own (see
@@ -133,6 +198,20 @@ impl PgLease {
     }
 }
 
+/// What a commit statement's answer (the rows it bumped, and whether it
+/// kept the lease) means.
+fn sent(answer: Result<(i64, bool), tokio_postgres::Error>) -> Sent {
+    match answer {
+        Ok((1, kept)) => Sent::Committed { kept },
+        Ok(_) => Sent::LeaseGone,
+        Err(e) => {
+            let refused = e.as_db_error().is_some();
+            db("commit")(e);
+            if refused { Sent::NotWritten } else { Sent::Unknown }
+        }
+    }
+}
+
 /// How long a commit's read-back waits before asking the store again.
 const SETTLE_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -150,7 +229,10 @@ impl LeaseHolder for PgLease {
                 self.give_back_later();
                 return Err(StoreError::Deadline);
             }
-            let sent = match tokio::time::timeout_at(until, self.send_commit(&rows)).await {
+            // Kept, unless this replica is shutting down.
+            let keep = (self.store.kept.is_some() && !self.store.keeper.stopped()).then(uuid::Uuid::new_v4);
+            let started = Instant::now();
+            let sent = match tokio::time::timeout_at(until, self.send_commit(&rows, keep)).await {
                 Ok(sent) => sent,
                 Err(_) => {
                     warn!(operation = "commit", "session store did not answer before the query's deadline");
@@ -162,15 +244,28 @@ impl LeaseHolder for PgLease {
                 }
             };
             let outcome = match sent {
-                Sent::Committed => Ok(()),
-                Sent::LeaseGone => Err(StoreError::LeaseLost),
+                Sent::Committed { kept } => {
+                    self.kept(kept.then_some(keep).flatten(), rows.len(), started);
+                    Ok(())
+                }
+                Sent::LeaseGone => {
+                    self.kept(None, 0, started);
+                    Err(StoreError::LeaseLost)
+                }
                 Sent::NotWritten => {
                     // The lease is given back, so that a retry finds the
                     // session free (best effort: else it expires).
                     let _ = tokio::time::timeout_at(until, self.give_back_later()).await;
                     Err(StoreError::Unavailable("postgres"))
                 }
-                Sent::Unknown => self.settle(until).await,
+                Sent::Unknown => {
+                    let outcome = self.settle(until).await;
+                    if let (Ok(()), Some(next)) = (&outcome, keep) {
+                        // Landed, maybe keeping the lease: not kept here.
+                        self.store.give_back_later(self.id.clone(), next, false);
+                    }
+                    outcome
+                }
             };
             match &outcome {
                 Ok(()) => {

@@ -26,6 +26,10 @@
 //! token is read back. Only when no answer comes before the deadline is the
 //! outcome unknown ([`StoreError::CommitOutcomeUnknown`]).
 //!
+//! With `keep_lease_ms`, a commit keeps its lease for the session's next
+//! query on this replica, which then takes no lease statement; another
+//! replica that wants the session asks for it (see `kept`).
+//!
 //! A query's own statements (its lease, renewals, commit, release and
 //! read-back) share a few connections, several in flight on each (see
 //! `shared`); everything else takes a pooled connection of its own.
@@ -44,6 +48,8 @@
 mod acquire;
 mod conn;
 mod connect;
+mod keeper;
+mod kept;
 mod lease;
 mod pool;
 mod renew;
@@ -59,6 +65,7 @@ use std::{
     time::Duration,
 };
 
+use acquire::Holder;
 use conn::{Conn, Handle, Param, bounded, db, pool_error, pool_reason};
 use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
@@ -99,6 +106,12 @@ pub struct PostgresStore {
     /// messages read), and on one read whole.
     reads_new_only: Arc<AtomicUsize>,
     reads_whole: Arc<AtomicUsize>,
+    /// The leases this replica keeps between queries, if it keeps any;
+    /// and the queries that used one (no lease statement, nothing read).
+    kept: Option<Arc<kept::Kept>>,
+    reads_kept: Arc<AtomicUsize>,
+    /// Stops the keeper (started with the first lease kept).
+    keeper: Arc<keeper::Keeper>,
 }
 
 /// A count or size as a bigint parameter (larger ones mean "no limit").
@@ -188,6 +201,9 @@ impl PostgresStore {
             cache,
             reads_new_only: Arc::default(),
             reads_whole: Arc::default(),
+            kept: (!settings.keep_lease.is_zero()).then(|| Arc::new(kept::Kept::new(settings.keep_lease, lease_ttl))),
+            reads_kept: Arc::default(),
+            keeper: Arc::default(),
         })
     }
 
@@ -196,6 +212,9 @@ impl PostgresStore {
         let read = |how: &str| vec![("read", how.to_owned())];
         metrics.gauge(Family::SessionHistoryReads, read("new_only"), self.reads_new_only.clone());
         metrics.gauge(Family::SessionHistoryReads, read("whole"), self.reads_whole.clone());
+        if self.kept.is_some() {
+            metrics.gauge(Family::SessionHistoryReads, read("kept"), self.reads_kept.clone());
+        }
         if let Some(cache) = &self.cache {
             metrics.gauge(Family::SessionHistoryCacheBytes, Vec::new(), cache.held());
         }
@@ -266,11 +285,16 @@ impl PostgresStore {
     /// Ok(true): given back here; Ok(false): the token was no longer there
     /// (committed, expired or taken over).
     async fn give_back(&self, id: &str, token: uuid::Uuid, created: bool) -> Result<bool, StoreError> {
+        if let Some(kept) = &self.kept {
+            kept.forget(id, token);
+        }
         let client = self.query_conn("release").await?;
         let sql = if created {
             "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
         } else {
-            "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL WHERE id = $1 AND lease_token = $2"
+            "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL, lease_kept = false,
+                 lease_wanted = false
+             WHERE id = $1 AND lease_token = $2"
         };
         let n = client.exec(sql, &[(&id, Type::TEXT), (&token, Type::UUID)]).await.map_err(db("release"))?;
         if created && let Some(cache) = &self.cache {
@@ -305,7 +329,15 @@ impl PostgresStore {
     }
 
     /// Renews a lease while its query runs (see [`renew::keep_alive`]).
-    fn renew(&self, id: String, token: uuid::Uuid, lost: watch::Sender<bool>, done: CancellationToken) {
+    /// The lease is known held until `held_until`.
+    fn renew(
+        &self,
+        id: String,
+        token: uuid::Uuid,
+        held_until: Instant,
+        lost: watch::Sender<bool>,
+        done: CancellationToken,
+    ) {
         let store = self.clone();
         let attempt = move || {
             let (store, id) = (store.clone(), id.clone());
@@ -321,7 +353,7 @@ impl PostgresStore {
                     .map_err(db("renew"))
             }
         };
-        tokio::spawn(renew::keep_alive(self.lease_ttl, self.timeout, attempt, lost, done));
+        tokio::spawn(renew::keep_alive(self.lease_ttl, self.timeout, held_until, attempt, lost, done));
     }
 }
 
@@ -345,8 +377,39 @@ impl SessionStore for PostgresStore {
         deadline: Instant,
     ) -> StoreFuture<'a, Lease> {
         Box::pin(async move {
+            if !create && let Some(kept) = &self.kept {
+                match kept.take(session_id, owner) {
+                    kept::Found::Lease(entry) => return self.kept_lease(session_id, entry, deadline).await,
+                    kept::Found::InUse => return Err(StoreError::Busy),
+                    kept::Found::Stale(entry) => {
+                        // Given back before a lease is taken anew: else
+                        // this replica would wait for itself to hand it
+                        // over.
+                        let give_back = self.give_back_later(session_id.to_owned(), entry.token, false);
+                        let _ = tokio::time::timeout_at(deadline, give_back).await;
+                    }
+                    kept::Found::Nothing => {}
+                }
+            }
             let token = uuid::Uuid::new_v4();
-            let taken = tokio::time::timeout_at(deadline, self.lease(session_id, agent, owner, create, token)).await;
+            let taken = tokio::time::timeout_at(deadline, async {
+                // A lease another replica keeps is asked for, and waited
+                // for a little (see `kept`).
+                let wait_until = Instant::now() + kept::HANDOVER_WAIT;
+                let mut pause = Duration::from_millis(2);
+                loop {
+                    match self.lease(session_id, agent, owner, create, token).await {
+                        Ok(Some(lease)) => return Ok(lease),
+                        Ok(None) if Instant::now() + pause < wait_until => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(kept::POLL);
+                        }
+                        Ok(None) => return Err(StoreError::Busy),
+                        Err(e) => return Err(e),
+                    }
+                }
+            })
+            .await;
             let (failed, wait) = match taken {
                 Ok(Ok(lease)) => return Ok(lease),
                 Ok(Err(e @ (StoreError::Busy | StoreError::NotFound))) => return Err(e),
@@ -445,29 +508,47 @@ impl SessionStore for PostgresStore {
 
     fn delete_as<'a>(&'a self, session_id: &'a str, owner: Option<&'a str>) -> StoreFuture<'a, ()> {
         Box::pin(bounded(self.soon(), "delete", StoreError::Unavailable("postgres"), async move {
-            let client = self.conn("delete").await?;
-            let deleted = client
-                .exec(
-                    "DELETE FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)
-                       AND (lease_token IS NULL OR lease_expires < now())",
-                    &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
-                )
-                .await
-                .map_err(db("delete"))?;
-            if deleted == 1 {
-                if let Some(cache) = &self.cache {
-                    cache.forget(session_id);
+            // A lease this replica keeps is given back first; one another
+            // replica keeps is asked for, and waited for a little.
+            if let Some(kept) = &self.kept {
+                match kept.take(session_id, owner) {
+                    kept::Found::InUse => return Err(StoreError::Busy),
+                    kept::Found::Lease(e) | kept::Found::Stale(e) => {
+                        self.give_back(session_id, e.token, false).await?;
+                    }
+                    kept::Found::Nothing => {}
                 }
-                return Ok(());
             }
-            let found = client
-                .maybe_row(
-                    "SELECT 1 FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)",
-                    &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
-                )
-                .await
-                .map_err(db("delete"))?;
-            Err(if found.is_some() { StoreError::Busy } else { StoreError::NotFound })
+            let wait_until = Instant::now() + kept::HANDOVER_WAIT;
+            let mut pause = Duration::from_millis(2);
+            loop {
+                let client = self.conn("delete").await?;
+                let deleted = client
+                    .exec(
+                        "DELETE FROM lattice_sessions WHERE id = $1 AND ($2::text IS NULL OR owner = $2)
+                           AND (lease_token IS NULL OR lease_expires < now())",
+                        &[(&session_id, Type::TEXT), (&owner, Type::TEXT)],
+                    )
+                    .await
+                    .map_err(db("delete"))?;
+                if deleted == 1 {
+                    if let Some(cache) = &self.cache {
+                        cache.forget(session_id);
+                    }
+                    return Ok(());
+                }
+                match self.holder(&client, session_id, owner, None).await? {
+                    Holder::Missing => return Err(StoreError::NotFound),
+                    Holder::Busy => return Err(StoreError::Busy),
+                    // Kept elsewhere and asked for, or released just now.
+                    Holder::Kept | Holder::Free if Instant::now() + pause < wait_until => {
+                        drop(client);
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(kept::POLL);
+                    }
+                    Holder::Kept | Holder::Free => return Err(StoreError::Busy),
+                }
+            }
         }))
     }
 

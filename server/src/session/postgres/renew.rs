@@ -8,8 +8,10 @@ use tracing::warn;
 
 use crate::session::StoreError;
 
-/// Renews a lease of `ttl` every third of it with `attempt` (the rows it
-/// renewed: 1, or 0 once another holder took the lease), until `done`.
+/// Renews a lease of `ttl`, known held until `held_until`, every third of
+/// it with `attempt` (the rows it renewed: 1, or 0 once another holder
+/// took the lease), until `done`. The first attempt comes a third of the
+/// lease after it was last set (at once, if that is past).
 ///
 /// The lease is known held until `ttl` after the start of the last attempt
 /// that renewed it. An attempt is given at most `timeout`, and never past
@@ -20,6 +22,7 @@ use crate::session::StoreError;
 pub async fn keep_alive<F, Fut>(
     ttl: Duration,
     timeout: Duration,
+    mut held_until: Instant,
     mut attempt: F,
     lost: watch::Sender<bool>,
     done: CancellationToken,
@@ -28,8 +31,7 @@ pub async fn keep_alive<F, Fut>(
     Fut: Future<Output = Result<u64, StoreError>>,
 {
     let every = ttl / 3;
-    let mut held_until = Instant::now() + ttl;
-    let mut next = Instant::now() + every;
+    let mut next = held_until.checked_sub(ttl - every).unwrap_or_else(Instant::now);
     loop {
         tokio::select! {
             () = done.cancelled() => return,
@@ -84,7 +86,7 @@ mod tests {
         let (tx, mut rx) = watch::channel(false);
         let done = CancellationToken::new();
         let start = Instant::now();
-        tokio::spawn(keep_alive(TTL, TIMEOUT, attempt, tx, done.clone()));
+        tokio::spawn(keep_alive(TTL, TIMEOUT, start + TTL, attempt, tx, done.clone()));
         let lost = tokio::time::timeout(within, rx.wait_for(|l| *l)).await;
         done.cancel();
         lost.ok().map(|_| start.elapsed())
@@ -124,6 +126,28 @@ mod tests {
     async fn failing_renewals_lose_the_lease_at_its_expiry() {
         let attempt = || async { Err::<u64, _>(StoreError::Unavailable("postgres")) };
         assert_eq!(lost_after(attempt, Duration::from_secs(60)).await, Some(TTL));
+    }
+
+    /// A lease kept from an earlier query, last set 8 s ago: renewed at
+    /// once (its renewal was due at 5 s), and lost when that renewal hangs
+    /// at the expiry it had, 7 s from now, not a whole lease later.
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_lease_is_renewed_at_once_and_lost_at_its_own_expiry() {
+        let (tx, mut rx) = watch::channel(false);
+        let done = CancellationToken::new();
+        let start = Instant::now();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let attempt = move || {
+            seen.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Result<u64, StoreError>>()
+        };
+        tokio::spawn(keep_alive(TTL, TIMEOUT, start + TTL - Duration::from_secs(8), attempt, tx, done.clone()));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the due renewal is tried at once");
+        tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|l| *l)).await.unwrap().unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(7));
+        done.cancel();
     }
 
     /// A lease another holder took is lost at once.

@@ -51,6 +51,11 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX lattice_sessions_touched_minute ON lattice_sessions (touched_minute);
      DROP INDEX IF EXISTS lattice_sessions_touched;
      ALTER TABLE lattice_sessions SET (fillfactor = 50);",
+    // 5: leases kept between queries (`keep_lease_ms`): `lease_kept` marks
+    // a lease its replica keeps after a commit and hands over on request;
+    // `lease_wanted` is the request, set by another replica.
+    "ALTER TABLE lattice_sessions ADD COLUMN lease_kept boolean NOT NULL DEFAULT false,
+         ADD COLUMN lease_wanted boolean NOT NULL DEFAULT false;",
 ];
 
 /// The schema version this build uses.
