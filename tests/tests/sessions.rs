@@ -839,3 +839,19 @@ async fn kept_leases_are_given_back_at_shutdown_and_expire_after_a_crash() {
     assert!(refused > 0, "the session should have been held until the lease expired");
     assert!(killed.elapsed() >= Duration::from_secs(2), "served after {:?}", killed.elapsed());
 }
+
+/// An unused kept lease is renewed, every third of `lease_ttl_ms`: after
+/// more than twice its time to live, the session's next query on the
+/// replica still uses it (one the replica had not renewed would be stale
+/// and given back, and the query would take a lease anew).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unused_kept_lease_is_renewed() {
+    let url = Cluster::shared().await.database().await;
+    let config = config(0, &format!("{KEEP}\nlease_ttl_ms = 900"));
+    let lattice = Lattice::start_with_env(&config, &[(URL_ENV, &url)]).await;
+    let sid = lattice.query("a", "one").await.session_id();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert_eq!(lattice.query_with(continue_(&sid, "two")).await.expect_ok().text, "seen 3");
+    let text = lattice.metrics().await;
+    assert_eq!(sample(&text, "lattice_session_history_reads_total{read=\"kept\"}"), Some(1.0), "{text}");
+}

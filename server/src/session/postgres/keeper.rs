@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 
-use super::{PostgresStore, bounded, db, kept};
+use super::{Param, PostgresStore, bounded, db, kept};
 use crate::session::StoreError;
 
 /// Whether the keeper runs, and its stop.
@@ -99,79 +99,59 @@ impl PostgresStore {
     }
 
     /// Gives back the leases `leases` (session, token).
-    async fn give_back_all(&self, leases: &[(String, uuid::Uuid)]) -> Result<u64, StoreError> {
-        let (ids, tokens) = columns(leases);
-        bounded(self.soon(), "release", StoreError::Unavailable("postgres"), async {
-            let client = self.conn("release").await?;
-            client
-                .exec(
-                    "UPDATE lattice_sessions s
-                     SET lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false
-                     FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
-                     WHERE s.id = h.id AND s.lease_token = h.token",
-                    &[(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY)],
-                )
-                .await
-                .map_err(db("release"))
-        })
-        .await
+    async fn give_back_all(&self, leases: &[(String, uuid::Uuid)]) -> Result<Vec<String>, StoreError> {
+        let sql = "UPDATE lattice_sessions s
+                   SET lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false
+                   FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
+                   WHERE s.id = h.id AND s.lease_token = h.token";
+        self.on_leases("release", sql, leases, None).await
     }
 
     /// Tells the replicas that asked for the leases `leases` (in use here)
     /// that their sessions are busy.
-    async fn say_busy(&self, leases: &[(String, uuid::Uuid)]) -> Result<u64, StoreError> {
-        let (ids, tokens) = columns(leases);
-        bounded(self.soon(), "handover", StoreError::Unavailable("postgres"), async {
-            let client = self.conn("handover").await?;
-            client
-                .exec(
-                    "UPDATE lattice_sessions s SET lease_kept = false
-                     FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
-                     WHERE s.id = h.id AND s.lease_token = h.token AND s.lease_kept",
-                    &[(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY)],
-                )
-                .await
-                .map_err(db("handover"))
-        })
-        .await
+    async fn say_busy(&self, leases: &[(String, uuid::Uuid)]) -> Result<Vec<String>, StoreError> {
+        let sql = "UPDATE lattice_sessions s SET lease_kept = false
+                   FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
+                   WHERE s.id = h.id AND s.lease_token = h.token AND s.lease_kept";
+        self.on_leases("handover", sql, leases, None).await
     }
 
     /// Renews the leases `leases`; returns the sessions renewed.
     async fn renew_all(&self, leases: &[(String, uuid::Uuid)]) -> Result<Vec<String>, StoreError> {
-        let (ids, tokens) = columns(leases);
-        let ttl = self.ttl_ms();
-        bounded(self.soon(), "renew", StoreError::Unavailable("postgres"), async {
-            let client = self.conn("renew").await?;
-            let rows = client
-                .rows(
-                    "UPDATE lattice_sessions s SET lease_expires = now() + $3 * interval '1 millisecond'
-                     FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
-                     WHERE s.id = h.id AND s.lease_token = h.token
-                     RETURNING s.id",
-                    &[(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY), (&ttl, Type::FLOAT8)],
-                )
-                .await
-                .map_err(db("renew"))?;
-            rows.iter().map(|r| r.try_get(0).map_err(db("renew"))).collect()
-        })
-        .await
+        let sql = "UPDATE lattice_sessions s SET lease_expires = now() + $3 * interval '1 millisecond'
+                   FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
+                   WHERE s.id = h.id AND s.lease_token = h.token
+                   RETURNING s.id";
+        self.on_leases("renew", sql, leases, Some(self.ttl_ms())).await
     }
 
     /// Of the leases `leases`, the sessions another replica asked for.
     async fn wanted(&self, leases: &[(String, uuid::Uuid)]) -> Result<Vec<String>, StoreError> {
+        let sql = "SELECT s.id FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
+                   JOIN lattice_sessions s ON s.id = h.id AND s.lease_token = h.token
+                   WHERE s.lease_wanted";
+        self.on_leases("handover", sql, leases, None).await
+    }
+
+    /// `sql` (`what`) for the leases `leases` ($1 their sessions, $2 their
+    /// tokens; $3 the lease's time to live in ms, when given) on a pooled
+    /// connection, within the store's timeout: the sessions it returns.
+    async fn on_leases(
+        &self,
+        what: &'static str,
+        sql: &str,
+        leases: &[(String, uuid::Uuid)],
+        ttl_ms: Option<f64>,
+    ) -> Result<Vec<String>, StoreError> {
         let (ids, tokens) = columns(leases);
-        bounded(self.soon(), "handover", StoreError::Unavailable("postgres"), async {
-            let client = self.conn("handover").await?;
-            let rows = client
-                .rows(
-                    "SELECT s.id FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
-                     JOIN lattice_sessions s ON s.id = h.id AND s.lease_token = h.token
-                     WHERE s.lease_wanted",
-                    &[(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY)],
-                )
-                .await
-                .map_err(db("handover"))?;
-            rows.iter().map(|r| r.try_get(0).map_err(db("handover"))).collect()
+        bounded(self.soon(), what, StoreError::Unavailable("postgres"), async {
+            let client = self.conn(what).await?;
+            let mut params: Vec<Param<'_>> = vec![(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY)];
+            if let Some(ttl) = &ttl_ms {
+                params.push((ttl, Type::FLOAT8));
+            }
+            let rows = client.rows(sql, &params).await.map_err(db(what))?;
+            rows.iter().map(|r| r.try_get(0).map_err(db(what))).collect()
         })
         .await
     }

@@ -243,15 +243,14 @@ impl LeaseHolder for PgLease {
                     return Err(StoreError::CommitOutcomeUnknown);
                 }
             };
+            // The token the lease is kept under, if the commit kept it.
+            let mut next = None;
             let outcome = match sent {
                 Sent::Committed { kept } => {
-                    self.kept(kept.then_some(keep).flatten(), rows.len(), started);
+                    next = keep.filter(|_| kept);
                     Ok(())
                 }
-                Sent::LeaseGone => {
-                    self.kept(None, 0, started);
-                    Err(StoreError::LeaseLost)
-                }
+                Sent::LeaseGone => Err(StoreError::LeaseLost),
                 Sent::NotWritten => {
                     // The lease is given back, so that a retry finds the
                     // session free (best effort: else it expires).
@@ -276,6 +275,9 @@ impl LeaseHolder for PgLease {
                 }
                 Err(e) => debug!(session_id = %self.id, error = %e, "session not committed"),
             }
+            // Kept once the cache holds what was committed: the session's
+            // next query reads its history there.
+            self.kept(next, rows.len(), started);
             outcome
         })
     }
