@@ -219,7 +219,7 @@ impl Cluster {
     /// A new, empty database: its URL.
     pub async fn database(&self) -> String {
         static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!("lattice_test_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let name = database_name(std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let (client, connection) =
             tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
         tokio::spawn(connection);
@@ -364,5 +364,27 @@ impl Drop for PgBouncer {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The name of a test's new database: the `n`th of process `pid`, and
+/// when. (The shared cluster outlives test processes, and a later one may
+/// get an earlier one's process id.)
+fn database_name(pid: u32, n: u32) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("lattice_test_{pid}_{n}_{nanos}")
+}
+
+#[cfg(test)]
+mod tests {
+    /// Two processes with the same id (one reusing an earlier one's) name
+    /// their first databases apart.
+    #[test]
+    fn a_reused_process_id_names_a_new_database() {
+        let first = super::database_name(7404, 0);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let second = super::database_name(7404, 0);
+        assert_ne!(first, second);
+        assert!(second.len() <= 63, "PostgreSQL truncates longer names: {second}");
     }
 }
