@@ -435,12 +435,23 @@ async fn a_pooled_connection_gone_silent_is_given_up() {
 /// `prepared_statements = false`: it works, and outcomes stay exact.
 #[tokio::test(flavor = "multi_thread")]
 async fn behind_pgbouncer_in_transaction_mode_outcomes_stay_exact() {
+    behind_pgbouncer_in_transaction_mode("prepared_statements = false").await;
+}
+
+/// The same with leases kept between queries: the handover goes through
+/// the session row, which PgBouncer's transaction pooling carries.
+#[tokio::test(flavor = "multi_thread")]
+async fn behind_pgbouncer_kept_leases_keep_outcomes_exact() {
+    behind_pgbouncer_in_transaction_mode("prepared_statements = false\nkeep_lease_ms = 30000").await;
+}
+
+async fn behind_pgbouncer_in_transaction_mode(extra: &str) {
     let cluster = Cluster::shared().await;
     let url = cluster.database().await;
     let database = url.rsplit('/').next().unwrap().to_owned();
     let bouncer = PgBouncer::transaction_pooling(cluster).await;
     let upstream = bouncer.url.rsplit('@').next().unwrap().parse().unwrap();
-    resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), "prepared_statements = false").await;
+    resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), extra).await;
 }
 
 /// `migrate = "never"`: a binary refuses an empty database and says to run
