@@ -15,7 +15,10 @@
 //! through it must read it about once). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
 //!
-//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores]`
+//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores] [--stores postgres+keep,…]`
+//!
+//! `--stores` runs only the session store rows named (and the memory
+//! store's, which the others are measured against): to profile one.
 //!
 //! `--split-cores` runs the session store's rows with this process (Lattice
 //! and its clients) on core 0 and PostgreSQL's processes on core 1, as with
@@ -84,7 +87,8 @@ async fn main() {
         provider_sessions("openai").await;
     }
     if section("stores") {
-        stores(queries, args.iter().any(|a| a == "--split-cores")).await;
+        let rows = args.iter().position(|a| a == "--stores").and_then(|i| args.get(i + 1)).cloned();
+        stores(queries, args.iter().any(|a| a == "--split-cores"), rows.as_deref()).await;
     }
     if section("commits") {
         commits().await;
@@ -273,7 +277,7 @@ async fn session_growth(
 
 /// Query latency and throughput by session store and concurrency: each
 /// client continues a session of its own.
-async fn stores(queries: usize, split_cores: bool) {
+async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
     let cluster = Cluster::shared().await;
     let database = cluster.database().await;
     // TLS: a cluster of its own, accepting TLS only, reached with
@@ -320,7 +324,10 @@ async fn stores(queries: usize, split_cores: bool) {
         ("postgres+keep", database.as_str()),
         ("pg+tls+keep", tls_url.as_str()),
         ("pg-no-pipe", database.as_str()),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(store, _)| *store == "memory" || rows.is_none_or(|r| r.split(',').any(|row| row == *store)))
+    {
         let sessions = match store {
             "memory" => "[sessions]\nstore = \"memory\"\n",
             "pg-no-pipe" => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\npipeline_connections = 0\n",
