@@ -237,9 +237,13 @@ impl LeaseHolder for PgLease {
                 Err(_) => {
                     warn!(operation = "commit", "session store did not answer before the query's deadline");
                     // Nothing can be asked after the deadline. The lease is
-                    // still given back (if the commit did not take it), so
-                    // that the session is free again sooner.
+                    // still given back (if the commit did not take it, or
+                    // under the token it was to be kept under, if it did),
+                    // so that the session is free again sooner.
                     self.give_back_later();
+                    if let Some(next) = keep {
+                        self.store.give_back_later(self.id.clone(), next, false);
+                    }
                     return Err(StoreError::CommitOutcomeUnknown);
                 }
             };
