@@ -827,10 +827,16 @@ async fn kept_leases_are_given_back_at_shutdown_and_expire_after_a_crash() {
     let c = Lattice::spawn(&config, &env).await;
     let mut refused = 0;
     let out = loop {
+        let asked = Instant::now();
         let out = c.query_with(continue_(&kept_by_b, "two")).await;
         match out.code() {
             Code::FailedPrecondition => refused += 1,
             _ => break out,
+        }
+        // Refused after waiting for a handover nobody makes: a second.
+        if refused == 1 {
+            let took = asked.elapsed();
+            assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2500), "refused after {took:?}");
         }
         assert!(killed.elapsed() < Duration::from_secs(15), "the lease never expired");
         tokio::time::sleep(Duration::from_millis(100)).await;

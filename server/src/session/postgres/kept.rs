@@ -34,6 +34,31 @@ pub(super) const POLL: Duration = Duration::from_millis(50);
 /// lease it keeps, at most.
 pub(super) const HANDOVER_WAIT: Duration = Duration::from_millis(1000);
 
+/// Waiting for another replica to hand over a lease it keeps: pauses from
+/// 2 ms, doubling up to [`POLL`], for [`HANDOVER_WAIT`] in all at most.
+#[derive(Debug)]
+pub(super) struct Handover {
+    until: Instant,
+    pause: Duration,
+}
+
+impl Handover {
+    pub(super) fn new() -> Self {
+        Self { until: Instant::now() + HANDOVER_WAIT, pause: Duration::from_millis(2) }
+    }
+
+    /// Waits before asking again; false, at once, when that would end past
+    /// the wait's end (the session is then busy).
+    pub(super) async fn pause(&mut self) -> bool {
+        if Instant::now() + self.pause >= self.until {
+            return false;
+        }
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(POLL);
+        true
+    }
+}
+
 /// A kept lease, as its replica knows it.
 #[derive(Debug, Clone)]
 pub(super) struct Entry {
@@ -260,6 +285,23 @@ mod tests {
         tokio::time::advance(KEEP).await;
         assert_eq!(kept.due(), Due { expired: idle, ..Due::default() });
         assert_eq!(kept.len(), 0);
+    }
+
+    /// A handover is asked about again soon at first, then every poll of
+    /// the keeper, and waited for a second at most.
+    #[tokio::test(start_paused = true)]
+    async fn a_handover_is_waited_for_a_second_at_most() {
+        let start = Instant::now();
+        let mut handover = Handover::new();
+        let mut asked = vec![Duration::ZERO];
+        while handover.pause().await {
+            asked.push(start.elapsed());
+        }
+        let ms = |n: u64| Duration::from_millis(n);
+        assert_eq!(asked[..7], [ms(0), ms(2), ms(6), ms(14), ms(30), ms(62), ms(112)]);
+        let last = asked.last().copied().unwrap_or_default();
+        assert!(last <= HANDOVER_WAIT && last + POLL >= HANDOVER_WAIT, "last asked at {last:?}");
+        assert_eq!(start.elapsed(), last, "gave up without waiting");
     }
 
     /// Handing over and forgetting act on the lease named, not on a newer

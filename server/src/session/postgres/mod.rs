@@ -395,15 +395,11 @@ impl SessionStore for PostgresStore {
             let taken = tokio::time::timeout_at(deadline, async {
                 // A lease another replica keeps is asked for, and waited
                 // for a little (see `kept`).
-                let wait_until = Instant::now() + kept::HANDOVER_WAIT;
-                let mut pause = Duration::from_millis(2);
+                let mut handover = kept::Handover::new();
                 loop {
                     match self.lease(session_id, agent, owner, create, token).await {
                         Ok(Some(lease)) => return Ok(lease),
-                        Ok(None) if Instant::now() + pause < wait_until => {
-                            tokio::time::sleep(pause).await;
-                            pause = (pause * 2).min(kept::POLL);
-                        }
+                        Ok(None) if handover.pause().await => {}
                         Ok(None) => return Err(StoreError::Busy),
                         Err(e) => return Err(e),
                     }
@@ -519,8 +515,7 @@ impl SessionStore for PostgresStore {
                     kept::Found::Nothing => {}
                 }
             }
-            let wait_until = Instant::now() + kept::HANDOVER_WAIT;
-            let mut pause = Duration::from_millis(2);
+            let mut handover = kept::Handover::new();
             loop {
                 let client = self.conn("delete").await?;
                 let deleted = client
@@ -541,12 +536,12 @@ impl SessionStore for PostgresStore {
                     Holder::Missing => return Err(StoreError::NotFound),
                     Holder::Busy => return Err(StoreError::Busy),
                     // Kept elsewhere and asked for, or released just now.
-                    Holder::Kept | Holder::Free if Instant::now() + pause < wait_until => {
+                    Holder::Kept | Holder::Free => {
                         drop(client);
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(kept::POLL);
+                        if !handover.pause().await {
+                            return Err(StoreError::Busy);
+                        }
                     }
-                    Holder::Kept | Holder::Free => return Err(StoreError::Busy),
                 }
             }
         }))
