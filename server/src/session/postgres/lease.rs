@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 
 use super::{
     PostgresStore,
-    conn::{Conn, Param, bounded, db},
+    conn::{Param, bounded, db},
     kept,
 };
 use crate::{
@@ -59,83 +59,27 @@ impl PgLease {
     /// the token `next`.
     async fn send_commit(&self, rows: &[String], keep: Option<uuid::Uuid>) -> Sent {
         let Ok(client) = self.store.query_conn("commit").await else { return Sent::NotWritten };
-        let n = rows.len() as i64;
-        // One statement, so one round trip and atomic: the version bump
-        // (only with our token and the version we read), the new rows
-        // numbered after the old ones, the commit's token (to read back),
-        // and the release. No bump, no rows.
-        let params: [Param<'_>; 5] = [
+        let (n, ttl) = (rows.len() as i64, self.store.ttl_ms());
+        let mut params: Vec<Param<'_>> = vec![
             (&self.id, Type::TEXT),
             (&self.token, Type::UUID),
             (&self.version, Type::INT8),
             (&n, Type::INT8),
             (&rows, Type::TEXT_ARRAY),
         ];
-        if let Some(next) = keep {
-            return self.send_keeping_commit(&client, &params, next).await;
-        }
-        let result = client
-            .maybe_row(
-                "WITH bump AS (
-                     UPDATE lattice_sessions
-                     SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-                         lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false,
-                         touched_at = now(), touched_minute = date_trunc('minute', now())
-                     WHERE id = $1 AND lease_token = $2 AND version = $3
-                     RETURNING message_count - $4 AS first
-                 ), rows AS (
-                     INSERT INTO lattice_messages (session_id, seq, message)
-                     SELECT $1, bump.first + t.ord - 1, t.m
-                     FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
-                 )
-                 SELECT count(*) FROM bump",
-                &params,
-            )
-            .await;
+        let sql = match &keep {
+            None => COMMIT,
+            Some(next) => {
+                params.push((next, Type::UUID));
+                params.push((&ttl, Type::FLOAT8));
+                COMMIT_KEEPING
+            }
+        };
+        let result = client.maybe_row(sql, &params).await;
         // (`SELECT count(*)` returns one row; none would mean no commit.)
-        sent(result.and_then(|row| row.map_or(Ok(0), |r| r.try_get::<_, i64>(0))).map(|n| (n, false)))
-    }
-
-    /// The commit statement keeping the lease under the token `next` (a
-    /// token of its own for each commit: the read-back tells them apart),
-    /// unless another replica asked for it: then it releases it.
-    async fn send_keeping_commit(&self, client: &Conn<'_>, params: &[Param<'_>; 5], next: uuid::Uuid) -> Sent {
-        let ttl = self.store.ttl_ms();
-        let params: [Param<'_>; 7] = [
-            params[0].clone(),
-            params[1].clone(),
-            params[2].clone(),
-            params[3].clone(),
-            params[4].clone(),
-            (&next, Type::UUID),
-            (&ttl, Type::FLOAT8),
-        ];
-        let result = client
-            .maybe_row(
-                "WITH bump AS (
-                     UPDATE lattice_sessions
-                     SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-                         lease_token = CASE WHEN lease_wanted THEN NULL ELSE $6::uuid END,
-                         lease_expires = CASE WHEN lease_wanted THEN NULL
-                                              ELSE now() + $7 * interval '1 millisecond' END,
-                         lease_kept = NOT lease_wanted, lease_wanted = false,
-                         touched_at = now(), touched_minute = date_trunc('minute', now())
-                     WHERE id = $1 AND lease_token = $2 AND version = $3
-                     RETURNING message_count - $4 AS first, lease_kept AS kept
-                 ), rows AS (
-                     INSERT INTO lattice_messages (session_id, seq, message)
-                     SELECT $1, bump.first + t.ord - 1, t.m
-                     FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
-                 )
-                 SELECT count(*), coalesce(bool_or(kept), false) FROM bump",
-                &params,
-            )
-            .await;
-        sent(
-            result.and_then(|row| {
-                row.map_or(Ok((0, false)), |r| Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, bool>(1)?)))
-            }),
-        )
+        let answer = result
+            .and_then(|row| row.map_or(Ok((0, false)), |r| Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, bool>(1)?))));
+        sent(answer)
     }
 
     /// After a commit that landed: keeps the lease under `next` for the
@@ -197,6 +141,44 @@ impl PgLease {
         }
     }
 }
+
+/// The commit: one statement, so one round trip and atomic: the version
+/// bump (only with the lease's token and the version it read), the new
+/// rows numbered after the old ones, the commit's token (to read back),
+/// and the release. No bump, no rows. Answers the rows bumped (1 or 0),
+/// and whether the lease was kept (here never).
+const COMMIT: &str = "WITH bump AS (
+        UPDATE lattice_sessions
+        SET version = version + 1, message_count = message_count + $4, last_commit = $2,
+            lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false,
+            touched_at = now(), touched_minute = date_trunc('minute', now())
+        WHERE id = $1 AND lease_token = $2 AND version = $3
+        RETURNING message_count - $4 AS first
+    ), rows AS (
+        INSERT INTO lattice_messages (session_id, seq, message)
+        SELECT $1, bump.first + t.ord - 1, t.m
+        FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
+    )
+    SELECT count(*), false FROM bump";
+
+/// [`COMMIT`] keeping the lease under the token `$6` for `$7` ms (a token
+/// of its own for each commit: the read-back tells them apart), unless
+/// another replica asked for it: then it releases it.
+const COMMIT_KEEPING: &str = "WITH bump AS (
+        UPDATE lattice_sessions
+        SET version = version + 1, message_count = message_count + $4, last_commit = $2,
+            lease_token = CASE WHEN lease_wanted THEN NULL ELSE $6::uuid END,
+            lease_expires = CASE WHEN lease_wanted THEN NULL ELSE now() + $7 * interval '1 millisecond' END,
+            lease_kept = NOT lease_wanted, lease_wanted = false,
+            touched_at = now(), touched_minute = date_trunc('minute', now())
+        WHERE id = $1 AND lease_token = $2 AND version = $3
+        RETURNING message_count - $4 AS first, lease_kept AS kept
+    ), rows AS (
+        INSERT INTO lattice_messages (session_id, seq, message)
+        SELECT $1, bump.first + t.ord - 1, t.m
+        FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
+    )
+    SELECT count(*), coalesce(bool_or(kept), false) FROM bump";
 
 /// What a commit statement's answer (the rows it bumped, and whether it
 /// kept the lease) means.
