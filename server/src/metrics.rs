@@ -79,6 +79,9 @@ pub enum Family {
     SessionHistoryReads,
     /// Bytes of conversations this replica keeps (PostgreSQL store).
     SessionHistoryCacheBytes,
+    /// Kept session leases this replica handed to another that asked
+    /// (PostgreSQL store, `keep_lease_ms`).
+    SessionLeaseHandovers,
     /// Shadow hook calls, by agent, hook, outcome and agreement with the
     /// hook they shadow.
     ShadowHookCalls,
@@ -103,6 +106,7 @@ impl Family {
             Family::ModelTokens => "lattice_model_tokens_total",
             Family::SessionHistoryReads => "lattice_session_history_reads_total",
             Family::SessionHistoryCacheBytes => "lattice_session_history_cache_bytes",
+            Family::SessionLeaseHandovers => "lattice_session_lease_handovers_total",
         }
     }
 
@@ -134,6 +138,9 @@ impl Family {
             Family::ModelTokens => "Model tokens by direction: input (the requests) and output (the replies).",
             Family::SessionHistoryReads => {
                 "Session histories read as a query took its lease: new_only (this replica knew the rest) or whole."
+            }
+            Family::SessionLeaseHandovers => {
+                "Kept session leases handed to another replica that asked (sessions.keep_lease_ms): its client moved."
             }
             Family::SessionHistoryCacheBytes => {
                 "Conversations this replica keeps (sessions.history_cache_mib), in bytes of text and overhead."
@@ -178,10 +185,11 @@ impl Family {
                 | Family::TraceEventsDropped
                 | Family::SessionHistoryReads
                 | Family::SessionHistoryCacheBytes
+                | Family::SessionLeaseHandovers
         )
     }
 
-    const ALL: [Family; 14] = [
+    const ALL: [Family; 15] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -194,6 +202,7 @@ impl Family {
         Family::ModelTokens,
         Family::SessionHistoryReads,
         Family::SessionHistoryCacheBytes,
+        Family::SessionLeaseHandovers,
         Family::ShadowHookCalls,
         Family::ConfigReloads,
     ];

@@ -71,17 +71,20 @@ const KEEP: &str = "keep_lease_ms = 30000";
 /// and B (which ran its last query) finds it no more.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_moves_between_replicas() {
-    a_session_moves_between_replicas_(&replicas(3, &config(0, "")).await).await;
+    a_session_moves_between_replicas_(&replicas(3, &config(0, "")).await, None).await;
 }
 
-/// The same with leases kept between queries: B's query is handed the
-/// lease A kept, the delete on A the lease B kept.
+/// The same with leases kept between queries: each query that moves is
+/// handed the lease the last replica kept, as is the delete; A and B count
+/// two handovers each.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_session_moves_between_replicas_that_keep_leases() {
-    a_session_moves_between_replicas_(&replicas(3, &config(0, KEEP)).await).await;
+    a_session_moves_between_replicas_(&replicas(3, &config(0, KEEP)).await, Some(2.0)).await;
 }
 
-async fn a_session_moves_between_replicas_(r: &[Arc<Lattice>]) {
+/// `handovers`: what A's and B's `lattice_session_lease_handovers_total`
+/// say at the end (None: not shown, leases are not kept).
+async fn a_session_moves_between_replicas_(r: &[Arc<Lattice>], handovers: Option<f64>) {
     let first = r[0].query("a", "one").await;
     assert_eq!(first.expect_ok().text, "seen 1");
     let sid = first.session_id();
@@ -102,6 +105,10 @@ async fn a_session_moves_between_replicas_(r: &[Arc<Lattice>]) {
         .unwrap();
     assert_eq!(r[2].session(&sid).await.unwrap_err().code(), Code::NotFound);
     assert_eq!(r[1].query_with(continue_(&sid, "five")).await.code(), Code::NotFound);
+    for replica in &r[..2] {
+        let text = replica.metrics().await;
+        assert_eq!(sample(&text, "lattice_session_lease_handovers_total"), handovers, "{text}");
+    }
 }
 
 /// The same session queried on A and B at once: exactly one is refused

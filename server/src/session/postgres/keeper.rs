@@ -89,6 +89,7 @@ impl PostgresStore {
                     .filter(|(id, _)| wanted.contains(id))
                     .partition(|(id, token)| kept.hand_over(id, *token));
                 if !handed.is_empty() {
+                    self.handovers.fetch_add(handed.len(), Ordering::Relaxed);
                     let _ = self.give_back_all(&handed).await;
                 }
                 if !busy.is_empty() {

@@ -110,6 +110,8 @@ pub struct PostgresStore {
     /// and the queries that used one (no lease statement, nothing read).
     kept: Option<Arc<kept::Kept>>,
     reads_kept: Arc<AtomicUsize>,
+    /// Kept leases handed to another replica.
+    handovers: Arc<AtomicUsize>,
     /// Stops the keeper (started with the first lease kept).
     keeper: Arc<keeper::Keeper>,
 }
@@ -203,6 +205,7 @@ impl PostgresStore {
             reads_whole: Arc::default(),
             kept: (!settings.keep_lease.is_zero()).then(|| Arc::new(kept::Kept::new(settings.keep_lease, lease_ttl))),
             reads_kept: Arc::default(),
+            handovers: Arc::default(),
             keeper: Arc::default(),
         })
     }
@@ -214,6 +217,7 @@ impl PostgresStore {
         metrics.gauge(Family::SessionHistoryReads, read("whole"), self.reads_whole.clone());
         if self.kept.is_some() {
             metrics.gauge(Family::SessionHistoryReads, read("kept"), self.reads_kept.clone());
+            metrics.gauge(Family::SessionLeaseHandovers, Vec::new(), self.handovers.clone());
         }
         if let Some(cache) = &self.cache {
             metrics.gauge(Family::SessionHistoryCacheBytes, Vec::new(), cache.held());
