@@ -11,8 +11,9 @@
 //!   if the lease is still held. (The PostgreSQL store may keep the lease
 //!   for the session's next query on the same replica instead, handing it
 //!   to any other replica that asks: to everyone else it stays busy, as a
-//!   released lease a query took at once would be.) Dropping a lease changes nothing; it is
-//!   released (or, if its holder crashed, it expires).
+//!   released lease a query took at once would be.) Dropping a lease
+//!   changes nothing; it is released (or, if its holder crashed, it
+//!   expires).
 //! - Messages are only ever appended: a commit never rewrites history, so
 //!   it costs the same for a conversation of 10 turns or 1,000.
 

@@ -3,7 +3,6 @@
 //! know yet; then the renewer.
 
 use super::*;
-use crate::session::postgres::kept;
 
 impl PostgresStore {
     /// Takes a session's lease (see [`SessionStore::acquire_as`]) under
@@ -93,7 +92,7 @@ impl PostgresStore {
                 .await
                 .map_err(db("acquire"))?;
             let Some(row) = row else {
-                return match self.holder(&client, session_id, owner, Some(self.idle_s())).await? {
+                return match self.holder("acquire", &client, session_id, owner, Some(self.idle_s())).await? {
                     Holder::Missing => Err(StoreError::NotFound),
                     Holder::Busy => Err(StoreError::Busy),
                     Holder::Kept | Holder::Free => Ok(None),
@@ -143,18 +142,9 @@ impl PostgresStore {
         let (lost_tx, lost) = watch::channel(false);
         let done = CancellationToken::new();
         self.renew(session_id.to_owned(), token, sent + self.lease_ttl, lost_tx, done.clone());
-        let holder = PgLease {
-            store: self.clone(),
-            id: session_id.to_owned(),
-            token,
-            version,
-            created: create,
-            born,
-            count,
-            agent: session.agent.clone(),
-            owner: owner.map(str::to_owned),
-            done,
-        };
+        let held =
+            kept::Held { token, version, count, born, agent: session.agent.clone(), owner: owner.map(str::to_owned) };
+        let holder = PgLease { store: self.clone(), id: session_id.to_owned(), held, created: create, done };
         Ok(Some(Lease::new(session, create, Arc::new(holder), lost)))
     }
 
@@ -171,7 +161,7 @@ impl PostgresStore {
             .cache
             .as_ref()
             .and_then(|c| c.get(session_id))
-            .filter(|k| k.born == entry.born && k.messages.len() == entry.count);
+            .filter(|k| k.born == entry.held.born && k.messages.len() == entry.held.count);
         let messages = match known {
             Some(known) => {
                 self.reads_kept.fetch_add(1, Ordering::Relaxed);
@@ -180,7 +170,7 @@ impl PostgresStore {
             None => {
                 // Nobody else can commit while the lease is kept: the
                 // history is the first `count` messages.
-                let count = clamp(entry.count);
+                let count = clamp(entry.held.count);
                 let read = async {
                     let client = self.conn("read").await?;
                     Self::messages(&client, session_id, 0, count).await
@@ -189,12 +179,12 @@ impl PostgresStore {
                     Ok(messages) => {
                         self.reads_whole.fetch_add(1, Ordering::Relaxed);
                         if let Some(cache) = &self.cache {
-                            cache.put(session_id, entry.born, &messages);
+                            cache.put(session_id, entry.held.born, &messages);
                         }
                         messages
                     }
                     Err(e) => {
-                        let give_back = self.give_back_later(session_id.to_owned(), entry.token, false);
+                        let give_back = self.give_back_later(session_id.to_owned(), entry.held.token, false);
                         let _ = tokio::time::timeout_at(deadline, give_back).await;
                         return Err(e);
                     }
@@ -203,28 +193,19 @@ impl PostgresStore {
         };
         let (lost_tx, lost) = watch::channel(false);
         let done = CancellationToken::new();
-        self.renew(session_id.to_owned(), entry.token, entry.held_until, lost_tx, done.clone());
-        let session = StoredSession { agent: entry.agent.clone(), messages };
-        let holder = PgLease {
-            store: self.clone(),
-            id: session_id.to_owned(),
-            token: entry.token,
-            version: entry.version,
-            created: false,
-            born: entry.born,
-            count: entry.count,
-            agent: entry.agent,
-            owner: entry.owner,
-            done,
-        };
+        self.renew(session_id.to_owned(), entry.held.token, entry.held_until, lost_tx, done.clone());
+        let session = StoredSession { agent: entry.held.agent.clone(), messages };
+        let holder = PgLease { store: self.clone(), id: session_id.to_owned(), held: entry.held, created: false, done };
         Ok(Lease::new(session, false, Arc::new(holder), lost))
     }
 
-    /// Who holds session `id`'s lease, when taking it failed; a lease
-    /// another replica keeps is asked for (`lease_wanted`). The session is
-    /// missing when not `owner`'s (if set) or idle past `idle_s` (if set).
+    /// Who holds session `id`'s lease, when taking it (or deleting the
+    /// session: `what`) failed; a lease another replica keeps is asked for
+    /// (`lease_wanted`). The session is missing when not `owner`'s (if set)
+    /// or idle past `idle_s` (if set).
     pub(super) async fn holder(
         &self,
+        what: &'static str,
         client: &Conn<'_>,
         session_id: &str,
         owner: Option<&str>,
@@ -247,10 +228,9 @@ impl PostgresStore {
                 &[(&session_id, Type::TEXT), (&owner, Type::TEXT), (&idle_s, Type::FLOAT8)],
             )
             .await
-            .map_err(db("acquire"))?;
+            .map_err(db(what))?;
         let Some(row) = row else { return Ok(Holder::Missing) };
-        let (held, kept): (bool, bool) =
-            (row.try_get(0).map_err(db("acquire"))?, row.try_get(1).map_err(db("acquire"))?);
+        let (held, kept): (bool, bool) = (row.try_get(0).map_err(db(what))?, row.try_get(1).map_err(db(what))?);
         Ok(match (held, kept) {
             (false, _) => Holder::Free,
             (true, false) => Holder::Busy,

@@ -59,11 +59,13 @@ impl Handover {
     }
 }
 
-/// A kept lease, as its replica knows it.
+/// What the holder of a session's lease knows of it, while a query uses
+/// the lease and while it is kept.
 #[derive(Debug, Clone)]
-pub(super) struct Entry {
+pub(super) struct Held {
     pub(super) token: uuid::Uuid,
-    /// The session's version and message count after the last commit.
+    /// The session's version and message count when the lease was taken
+    /// (or its last commit kept it).
     pub(super) version: i64,
     pub(super) count: usize,
     /// The session row's creation time (the history cache's key).
@@ -71,6 +73,12 @@ pub(super) struct Entry {
     pub(super) agent: String,
     /// The owner the lease was taken for (none with authentication off).
     pub(super) owner: Option<String>,
+}
+
+/// A kept lease, as its replica knows it.
+#[derive(Debug, Clone)]
+pub(super) struct Entry {
+    pub(super) held: Held,
     /// Until when the lease is known held: `lease_ttl` after the start of
     /// the statement that last set its expiry.
     pub(super) held_until: Instant,
@@ -135,7 +143,7 @@ impl Kept {
     pub(super) fn take(&self, id: &str, owner: Option<&str>) -> Found {
         let mut entries = self.entries();
         let Some(entry) = entries.get_mut(id) else { return Found::Nothing };
-        if owner.is_some() && entry.owner.as_deref() != owner {
+        if owner.is_some() && entry.held.owner.as_deref() != owner {
             // Not this principal's session: the database says so.
             return Found::Nothing;
         }
@@ -159,7 +167,7 @@ impl Kept {
     /// No longer keeps the lease `token` of session `id`.
     pub(super) fn forget(&self, id: &str, token: uuid::Uuid) {
         let mut entries = self.entries();
-        if entries.get(id).is_some_and(|e| e.token == token) {
+        if entries.get(id).is_some_and(|e| e.held.token == token) {
             entries.remove(id);
         }
     }
@@ -169,14 +177,14 @@ impl Kept {
     pub(super) fn drain(&self) -> Vec<(String, uuid::Uuid)> {
         let mut entries = self.entries();
         let idle: Vec<String> = entries.iter().filter(|(_, e)| !e.in_use).map(|(id, _)| id.clone()).collect();
-        idle.into_iter().filter_map(|id| entries.remove(&id).map(|e| (id, e.token))).collect()
+        idle.into_iter().filter_map(|id| entries.remove(&id).map(|e| (id, e.held.token))).collect()
     }
 
     /// Stops keeping the lease `token` of session `id` if no query uses it
     /// (another replica wants it). True: give it back.
     pub(super) fn hand_over(&self, id: &str, token: uuid::Uuid) -> bool {
         let mut entries = self.entries();
-        if entries.get(id).is_some_and(|e| e.token == token && !e.in_use) {
+        if entries.get(id).is_some_and(|e| e.held.token == token && !e.in_use) {
             entries.remove(id);
             return true;
         }
@@ -186,7 +194,7 @@ impl Kept {
     /// The lease `token` of session `id` was renewed by a statement that
     /// started at `started`.
     pub(super) fn renewed(&self, id: &str, token: uuid::Uuid, started: Instant) {
-        if let Some(entry) = self.entries().get_mut(id).filter(|e| e.token == token) {
+        if let Some(entry) = self.entries().get_mut(id).filter(|e| e.held.token == token) {
             entry.held_until = entry.held_until.max(started + self.ttl);
         }
     }
@@ -198,17 +206,17 @@ impl Kept {
         let mut due = Due::default();
         entries.retain(|id, e| {
             if e.in_use {
-                due.in_use.push((id.clone(), e.token));
+                due.in_use.push((id.clone(), e.held.token));
                 return true;
             }
             if now >= e.idle_since + self.keep {
-                due.expired.push((id.clone(), e.token));
+                due.expired.push((id.clone(), e.held.token));
                 return false;
             }
             if e.held_until <= now + self.ttl * 2 / 3 {
-                due.renew.push((id.clone(), e.token));
+                due.renew.push((id.clone(), e.held.token));
             }
-            due.idle.push((id.clone(), e.token));
+            due.idle.push((id.clone(), e.held.token));
             true
         });
         due
@@ -231,12 +239,7 @@ mod tests {
     fn entry(token: uuid::Uuid, owner: &str) -> Entry {
         let now = Instant::now();
         Entry {
-            token,
-            version: 3,
-            count: 6,
-            born: 1,
-            agent: "a".into(),
-            owner: Some(owner.into()),
+            held: Held { token, version: 3, count: 6, born: 1, agent: "a".into(), owner: Some(owner.into()) },
             held_until: now + TTL,
             idle_since: now,
             in_use: false,
@@ -252,7 +255,7 @@ mod tests {
         kept.keep("s", entry(token, "alice"));
         assert!(matches!(kept.take("s", Some("bob")), Found::Nothing));
         let Found::Lease(e) = kept.take("s", Some("alice")) else { panic!("not kept") };
-        assert_eq!((e.token, e.version, e.count), (token, 3, 6));
+        assert_eq!((e.held.token, e.held.version, e.held.count), (token, 3, 6));
         assert!(matches!(kept.take("s", None), Found::InUse));
         // In use: not handed over, not due.
         assert!(!kept.hand_over("s", token));
@@ -278,7 +281,7 @@ mod tests {
         // Not renewed since: stale once less than a third is left.
         tokio::time::advance(TTL * 2 / 3).await;
         let Found::Stale(e) = kept.take("s", None) else { panic!("not stale") };
-        assert_eq!(e.token, token);
+        assert_eq!(e.held.token, token);
         assert_eq!(kept.len(), 0);
         // Unused for `keep`: given back.
         kept.keep("s", Entry { held_until: Instant::now() + TTL, ..entry(token, "") });

@@ -23,17 +23,10 @@ use crate::{
 pub(super) struct PgLease {
     pub(super) store: PostgresStore,
     pub(super) id: String,
-    pub(super) token: uuid::Uuid,
-    pub(super) version: i64,
+    /// Its token, the session as the lease found it, and what a commit
+    /// needs to keep it.
+    pub(super) held: kept::Held,
     pub(super) created: bool,
-    /// The session row's creation time, and its messages when the lease
-    /// was taken: where a commit's messages go in the cache.
-    pub(super) born: i64,
-    pub(super) count: usize,
-    /// The session's agent, and the owner the lease was taken for: kept
-    /// with the lease for the session's next query.
-    pub(super) agent: String,
-    pub(super) owner: Option<String>,
     /// Stops the renewer.
     pub(super) done: CancellationToken,
 }
@@ -62,8 +55,8 @@ impl PgLease {
         let (n, ttl) = (rows.len() as i64, self.store.ttl_ms());
         let mut params: Vec<Param<'_>> = vec![
             (&self.id, Type::TEXT),
-            (&self.token, Type::UUID),
-            (&self.version, Type::INT8),
+            (&self.held.token, Type::UUID),
+            (&self.held.version, Type::INT8),
             (&n, Type::INT8),
             (&rows, Type::TEXT_ARRAY),
         ];
@@ -86,19 +79,16 @@ impl PgLease {
     /// session's next query, or (None) no longer keeps it.
     fn kept(&self, next: Option<uuid::Uuid>, appended: usize, started: Instant) {
         let Some(kept) = &self.store.kept else { return };
-        kept.forget(&self.id, self.token);
+        kept.forget(&self.id, self.held.token);
         let Some(token) = next else { return };
-        let entry = kept::Entry {
+        let held = kept::Held {
             token,
-            version: self.version + 1,
-            count: self.count + appended,
-            born: self.born,
-            agent: self.agent.clone(),
-            owner: self.owner.clone(),
-            held_until: started + self.store.lease_ttl,
-            idle_since: started,
-            in_use: false,
+            version: self.held.version + 1,
+            count: self.held.count + appended,
+            ..self.held.clone()
         };
+        let entry =
+            kept::Entry { held, held_until: started + self.store.lease_ttl, idle_since: started, in_use: false };
         kept.keep(&self.id, entry);
         self.store.start_keeper();
     }
@@ -106,7 +96,7 @@ impl PgLease {
     /// Gives the lease back by token in a task of its own (see
     /// [`PostgresStore::give_back_later`]).
     fn give_back_later(&self) -> tokio::task::JoinHandle<()> {
-        self.store.give_back_later(self.id.clone(), self.token, self.created)
+        self.store.give_back_later(self.id.clone(), self.held.token, self.created)
     }
 
     /// After a commit that may have landed: gives the lease back by token,
@@ -116,12 +106,12 @@ impl PgLease {
     /// only then is the outcome unknown.
     async fn settle(&self, until: Instant) -> Result<(), StoreError> {
         let ask_once = async || -> Result<Result<(), StoreError>, StoreError> {
-            if self.store.give_back(&self.id, self.token, self.created).await? {
+            if self.store.give_back(&self.id, self.held.token, self.created).await? {
                 // Given back here: no commit under this token can land now.
                 return Ok(Err(StoreError::Unavailable("postgres")));
             }
             // The token is gone: our commit took it, or the lease expired.
-            Ok(if self.store.landed(&self.id, self.token).await? { Ok(()) } else { Err(StoreError::LeaseLost) })
+            Ok(if self.store.landed(&self.id, self.held.token).await? { Ok(()) } else { Err(StoreError::LeaseLost) })
         };
         let ask = async {
             loop {
@@ -256,7 +246,7 @@ impl LeaseHolder for PgLease {
                 Ok(()) => {
                     debug!(session_id = %self.id, appended = rows.len(), "session committed");
                     if let Some(cache) = &self.store.cache {
-                        cache.append(&self.id, self.born, self.count, appended);
+                        cache.append(&self.id, self.held.born, self.held.count, appended);
                     }
                 }
                 Err(e) => debug!(session_id = %self.id, error = %e, "session not committed"),
@@ -273,7 +263,7 @@ impl LeaseHolder for PgLease {
         Box::pin(async move {
             let until = self.store.soon();
             bounded(until, "release", StoreError::Unavailable("postgres"), async {
-                self.store.give_back(&self.id, self.token, self.created).await.map(drop)
+                self.store.give_back(&self.id, self.held.token, self.created).await.map(drop)
             })
             .await
         })

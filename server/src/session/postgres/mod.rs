@@ -389,7 +389,7 @@ impl SessionStore for PostgresStore {
                         // Given back before a lease is taken anew: else
                         // this replica would wait for itself to hand it
                         // over.
-                        let give_back = self.give_back_later(session_id.to_owned(), entry.token, false);
+                        let give_back = self.give_back_later(session_id.to_owned(), entry.held.token, false);
                         let _ = tokio::time::timeout_at(deadline, give_back).await;
                     }
                     kept::Found::Nothing => {}
@@ -514,7 +514,7 @@ impl SessionStore for PostgresStore {
                 match kept.take(session_id, owner) {
                     kept::Found::InUse => return Err(StoreError::Busy),
                     kept::Found::Lease(e) | kept::Found::Stale(e) => {
-                        self.give_back(session_id, e.token, false).await?;
+                        self.give_back(session_id, e.held.token, false).await?;
                     }
                     kept::Found::Nothing => {}
                 }
@@ -536,7 +536,7 @@ impl SessionStore for PostgresStore {
                     }
                     return Ok(());
                 }
-                match self.holder(&client, session_id, owner, None).await? {
+                match self.holder("delete", &client, session_id, owner, None).await? {
                     Holder::Missing => return Err(StoreError::NotFound),
                     Holder::Busy => return Err(StoreError::Busy),
                     // Kept elsewhere and asked for, or released just now.
