@@ -82,6 +82,11 @@ pub enum Family {
     /// Kept session leases this replica handed to another that asked
     /// (PostgreSQL store, `keep_lease_ms`).
     SessionLeaseHandovers,
+    /// Commit statements sent (PostgreSQL store), by whether they carried
+    /// one session's commit or several (group commit).
+    SessionCommitStatements,
+    /// Commits sent grouped with others, in one statement.
+    SessionGroupedCommits,
     /// Shadow hook calls, by agent, hook, outcome and agreement with the
     /// hook they shadow.
     ShadowHookCalls,
@@ -107,6 +112,8 @@ impl Family {
             Family::SessionHistoryReads => "lattice_session_history_reads_total",
             Family::SessionHistoryCacheBytes => "lattice_session_history_cache_bytes",
             Family::SessionLeaseHandovers => "lattice_session_lease_handovers_total",
+            Family::SessionCommitStatements => "lattice_session_commit_statements_total",
+            Family::SessionGroupedCommits => "lattice_session_grouped_commits_total",
         }
     }
 
@@ -141,6 +148,12 @@ impl Family {
             }
             Family::SessionLeaseHandovers => {
                 "Kept session leases handed to another replica that asked (sessions.keep_lease_ms): its client moved."
+            }
+            Family::SessionCommitStatements => {
+                "Session commit statements sent to PostgreSQL: alone (one query's commit) or grouped (several)."
+            }
+            Family::SessionGroupedCommits => {
+                "Query commits sent in grouped statements (with the grouped statements: the commits per statement)."
             }
             Family::SessionHistoryCacheBytes => {
                 "Conversations this replica keeps (sessions.history_cache_mib), in bytes of text and overhead."
@@ -186,10 +199,12 @@ impl Family {
                 | Family::SessionHistoryReads
                 | Family::SessionHistoryCacheBytes
                 | Family::SessionLeaseHandovers
+                | Family::SessionCommitStatements
+                | Family::SessionGroupedCommits
         )
     }
 
-    const ALL: [Family; 15] = [
+    const ALL: [Family; 17] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -203,6 +218,8 @@ impl Family {
         Family::SessionHistoryReads,
         Family::SessionHistoryCacheBytes,
         Family::SessionLeaseHandovers,
+        Family::SessionCommitStatements,
+        Family::SessionGroupedCommits,
         Family::ShadowHookCalls,
         Family::ConfigReloads,
     ];

@@ -868,3 +868,190 @@ async fn an_unused_kept_lease_is_renewed() {
     let text = lattice.metrics().await;
     assert_eq!(sample(&text, "lattice_session_history_reads_total{read=\"kept\"}"), Some(1.0), "{text}");
 }
+
+/// The commit statements a replica sent so far: alone, grouped, and the
+/// commits the grouped ones carried.
+async fn commit_statements(lattice: &Lattice) -> [f64; 3] {
+    let text = lattice.metrics().await;
+    let statements = |sent: &str| format!("lattice_session_commit_statements_total{{sent=\"{sent}\"}}");
+    [statements("alone"), statements("grouped"), "lattice_session_grouped_commits_total".into()]
+        .map(|series| sample(&text, &series).unwrap_or_else(|| panic!("no {series} in {text}")))
+}
+
+/// A connection of the test's own to the database at `url`.
+async fn admin(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// `n` sessions opened on `lattice`, each with the prompt "cN open".
+async fn open_sessions(lattice: &Lattice, n: usize) -> Vec<String> {
+    let mut sessions = Vec::new();
+    for c in 0..n {
+        sessions.push(lattice.query("a", &format!("c{c} open")).await.session_id());
+    }
+    sessions
+}
+
+/// Each session's prompts, as stored.
+async fn stored_prompts(lattice: &Lattice, sessions: &[String]) -> Vec<Vec<String>> {
+    let mut all = Vec::new();
+    for sid in sessions {
+        let stored = lattice.session(sid).await.unwrap();
+        all.push(stored.messages.iter().step_by(2).map(message_text).collect());
+    }
+    all
+}
+
+/// A replica's `[sessions]` keys for [`behind_a_lock`]: each statement on
+/// a connection of its own, so that a commit waiting on the lock holds up
+/// no other query's lease statement behind it.
+const UNPIPELINED: &str = "pipeline_connections = 0\npool_size = 32";
+
+/// The next queries of `sessions` (prompts `prompt(c)`), started while
+/// the messages table is locked (a database slow to answer), so that each
+/// one's commit waits on it: the first two, on their own and a moment
+/// apart, are the two statements on their way; the rest queue behind
+/// them, the last one after the others. The lock is released once they
+/// all wait, or, with `queued_timeout`, once the queued ones (sent with
+/// that timeout) have ended. The outcomes, in order.
+async fn behind_a_lock(
+    lattice: &Arc<Lattice>,
+    url: &str,
+    sessions: &[String],
+    prompt: impl Fn(usize) -> String,
+    queued_timeout: Option<Duration>,
+) -> Vec<lattice_tests::Outcome> {
+    let admin = admin(url).await;
+    admin.batch_execute("BEGIN; LOCK TABLE lattice_messages IN EXCLUSIVE MODE").await.unwrap();
+    let last = sessions.len() - 1;
+    let mut queries = Vec::new();
+    for (c, sid) in sessions.iter().enumerate() {
+        if c < 3 || c == last {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let timeout = queued_timeout.filter(|_| c >= 2);
+        let (lattice, opts) = (lattice.clone(), QueryOpts { timeout, ..continue_(sid, &prompt(c)) });
+        queries.push(tokio::spawn(async move { lattice.query_with(opts).await }));
+    }
+    if queued_timeout.is_none() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        admin.batch_execute("COMMIT").await.unwrap();
+    }
+    let mut outcomes = Vec::new();
+    let mut queries = queries.into_iter();
+    let first_two: Vec<_> = queries.by_ref().take(2).collect();
+    for q in queries {
+        outcomes.push(q.await.unwrap());
+    }
+    if queued_timeout.is_some() {
+        admin.batch_execute("COMMIT").await.unwrap();
+    }
+    let mut first = Vec::new();
+    for q in first_two {
+        first.push(q.await.unwrap());
+    }
+    first.into_iter().chain(outcomes).collect()
+}
+
+/// Commits that wait at the same time go to the database together. With
+/// the messages table locked (a database slow to answer), the commits of
+/// 16 queries queue behind the two statements already on their way (each
+/// waiting on the lock); once it is released, the rest go as one
+/// statement. Every turn is stored once, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn commits_waiting_at_the_same_time_go_in_one_statement() {
+    let url = Cluster::shared().await.database().await;
+    let lattice = Arc::new(Lattice::spawn(&config(0, UNPIPELINED), &[(URL_ENV, &url)]).await);
+    let sessions = open_sessions(&lattice, 16).await;
+    let before = commit_statements(&lattice).await;
+    let next = |c: usize| format!("c{c} next");
+    for out in behind_a_lock(&lattice, &url, &sessions, next, None).await {
+        out.expect_ok();
+    }
+    let after = commit_statements(&lattice).await;
+    let sent = [0, 1, 2].map(|i| after[i] - before[i]);
+    assert_eq!(sent, [2.0, 1.0, 14.0], "statements alone, grouped, and the commits grouped");
+    for (c, prompts) in stored_prompts(&lattice, &sessions).await.iter().enumerate() {
+        assert_eq!(prompts, &[format!("c{c} open"), format!("c{c} next")], "session {c}");
+    }
+}
+
+/// A commit the database refuses fails only its own query, though it was
+/// grouped with others. A trigger refuses any message saying "refuse me";
+/// the statement carrying that commit and 14 others is refused whole
+/// (nothing written), and each is sent again alone: 15 land, and the one
+/// refused is UNAVAILABLE and stores nothing. With leases kept, so that
+/// grouped commits keep theirs too: each session's next query uses its
+/// kept lease.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_refused_in_a_group_fails_only_its_own_query() {
+    let url = Cluster::shared().await.database().await;
+    let keys = format!("{KEEP}\n{UNPIPELINED}");
+    let lattice = Arc::new(Lattice::spawn(&config(0, &keys), &[(URL_ENV, &url)]).await);
+    let sessions = open_sessions(&lattice, 16).await;
+    let admin = admin(&url).await;
+    admin
+        .batch_execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN IF NEW.message LIKE '%refuse me%' THEN RAISE EXCEPTION 'refused'; END IF; RETURN NEW; END $$;
+             CREATE TRIGGER refuse BEFORE INSERT ON lattice_messages FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .await
+        .unwrap();
+    let before = commit_statements(&lattice).await;
+    let prompt = |c: usize| if c == 15 { "c15 refuse me".to_owned() } else { format!("c{c} next") };
+    for (c, out) in behind_a_lock(&lattice, &url, &sessions, prompt, None).await.into_iter().enumerate() {
+        match c {
+            15 => assert_eq!(out.code(), Code::Unavailable, "{:?}", out.status),
+            _ => assert_eq!(out.expect_ok().text, "seen 3"),
+        }
+    }
+    let after = commit_statements(&lattice).await;
+    let sent = [0, 1, 2].map(|i| after[i] - before[i]);
+    // The two first alone; the group refused, and its 14 commits again,
+    // each alone.
+    assert_eq!(sent, [16.0, 1.0, 14.0], "statements alone, grouped, and the commits grouped");
+    for (c, prompts) in stored_prompts(&lattice, &sessions).await.iter().enumerate() {
+        let expected: Vec<String> = match c {
+            15 => vec!["c15 open".into()],
+            _ => vec![format!("c{c} open"), prompt(c)],
+        };
+        assert_eq!(prompts, &expected, "session {c}");
+    }
+    let text = lattice.metrics().await;
+    assert_eq!(sample(&text, "lattice_session_history_reads_total{read=\"kept\"}"), Some(16.0), "{text}");
+}
+
+/// A commit still waiting for its statement when its query's deadline
+/// comes is taken back: DEADLINE_EXCEEDED, nothing written. The two
+/// statements on their way wait on a locked table past those deadlines,
+/// then land.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_waiting_for_its_statement_past_its_deadline_is_not_sent() {
+    let url = Cluster::shared().await.database().await;
+    let lattice = Arc::new(Lattice::spawn(&config(0, UNPIPELINED), &[(URL_ENV, &url)]).await);
+    let sessions = open_sessions(&lattice, 16).await;
+    let before = commit_statements(&lattice).await;
+    let next = |c: usize| format!("c{c} next");
+    let outcomes = behind_a_lock(&lattice, &url, &sessions, next, Some(Duration::from_millis(1000))).await;
+    for (c, out) in outcomes.iter().enumerate() {
+        match c {
+            0 | 1 => assert_eq!(out.code(), Code::Ok, "{c}: {:?}", out.status),
+            _ => {
+                assert_eq!(out.code(), Code::DeadlineExceeded, "{c}: {:?}", out.status);
+                assert!(out.elapsed < Duration::from_millis(1500), "{c} took {:?}", out.elapsed);
+            }
+        }
+    }
+    let after = commit_statements(&lattice).await;
+    assert_eq!([0, 1, 2].map(|i| after[i] - before[i]), [2.0, 0.0, 0.0], "statements alone, grouped, carried");
+    for (c, prompts) in stored_prompts(&lattice, &sessions).await.iter().enumerate() {
+        let expected: Vec<String> = match c {
+            0 | 1 => vec![format!("c{c} open"), next(c)],
+            _ => vec![format!("c{c} open")],
+        };
+        assert_eq!(prompts, &expected, "session {c}");
+    }
+}

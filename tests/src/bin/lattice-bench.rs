@@ -39,6 +39,7 @@ use lattice_tests::{
     fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnResult},
     postgres::Cluster,
+    sample,
     tls::TestCa,
     tool::{ToolDef, ToolServer},
 };
@@ -350,6 +351,7 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         for (clients, per_client, is_long) in
             [(1usize, queries, false), (16, queries / 16, false)].into_iter().chain(long)
         {
+            let statements_before = commit_statements(&lattice).await;
             let all = Instant::now();
             let cpu_before = (cpu(std::process::id()), postgres_cpu());
             let mut tasks = Vec::new();
@@ -391,8 +393,16 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
                     _ => (rate_sixteen, ours_sixteen, database_sixteen) = (rate, ours, database),
                 }
             }
+            // PostgreSQL: how many commits each statement carried (group
+            // commit).
+            let per_statement = match (statements_before, commit_statements(&lattice).await) {
+                (Some(before), Some(after)) if after.1 > before.1 => {
+                    format!("  {:.1} commits a statement", (after.0 - before.0) / (after.1 - before.1))
+                }
+                _ => String::new(),
+            };
             println!(
-                "{store:>12} {clients:>8} {:>9} {:>10.2?} {:>10.2?} {:>12.0}",
+                "{store:>12} {clients:>8} {:>9} {:>10.2?} {:>10.2?} {:>12.0}{per_statement}",
                 2 * (per_client + 1),
                 p50,
                 percentile(&times, 0.99),
@@ -430,6 +440,16 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         pin(std::process::id(), &all_cores);
         postgres_pids().into_iter().for_each(|pid| pin(pid, &all_cores));
     }
+}
+
+/// The commits a replica sent to PostgreSQL so far, and the statements
+/// that carried them (None: the memory store).
+async fn commit_statements(lattice: &Lattice) -> Option<(f64, f64)> {
+    let text = lattice.metrics().await;
+    let alone = sample(&text, "lattice_session_commit_statements_total{sent=\"alone\"}")?;
+    let grouped = sample(&text, "lattice_session_commit_statements_total{sent=\"grouped\"}")?;
+    let carried = sample(&text, "lattice_session_grouped_commits_total")?;
+    Some((alone + carried, alone + grouped))
 }
 
 /// Every PostgreSQL server process on this machine.

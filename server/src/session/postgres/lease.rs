@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::{
     PostgresStore,
-    conn::{Param, bounded, db},
+    conn::bounded,
+    group::{Commit, Sent},
     kept,
 };
 use crate::{
@@ -31,50 +31,7 @@ pub(super) struct PgLease {
     pub(super) done: CancellationToken,
 }
 
-/// What became of a commit statement.
-enum Sent {
-    /// It ran and committed, and kept the lease under its new token (not
-    /// if another replica had asked for it).
-    Committed { kept: bool },
-    /// It ran and found the lease gone (expired and taken over): nothing
-    /// was written.
-    LeaseGone,
-    /// It was not sent (no connection), or the server refused it (its
-    /// transaction rolled back): nothing was written.
-    NotWritten,
-    /// It was sent and no answer came (a reset, a failover): it may have
-    /// landed.
-    Unknown,
-}
-
 impl PgLease {
-    /// The commit statement, once; with `keep`, keeping the lease under
-    /// the token `next`.
-    async fn send_commit(&self, rows: &[String], keep: Option<uuid::Uuid>) -> Sent {
-        let Ok(client) = self.store.query_conn("commit").await else { return Sent::NotWritten };
-        let (n, ttl) = (rows.len() as i64, self.store.ttl_ms());
-        let mut params: Vec<Param<'_>> = vec![
-            (&self.id, Type::TEXT),
-            (&self.held.token, Type::UUID),
-            (&self.held.version, Type::INT8),
-            (&n, Type::INT8),
-            (&rows, Type::TEXT_ARRAY),
-        ];
-        let sql = match &keep {
-            None => COMMIT,
-            Some(next) => {
-                params.push((next, Type::UUID));
-                params.push((&ttl, Type::FLOAT8));
-                COMMIT_KEEPING
-            }
-        };
-        let result = client.maybe_row(sql, &params).await;
-        // (`SELECT count(*)` returns one row; none would mean no commit.)
-        let answer = result
-            .and_then(|row| row.map_or(Ok((0, false)), |r| Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, bool>(1)?))));
-        sent(answer)
-    }
-
     /// After a commit that landed: keeps the lease under `next` for the
     /// session's next query, or (None) no longer keeps it.
     fn kept(&self, next: Option<uuid::Uuid>, appended: usize, started: Instant) {
@@ -132,58 +89,6 @@ impl PgLease {
     }
 }
 
-/// The commit: one statement, so one round trip and atomic: the version
-/// bump (only with the lease's token and the version it read), the new
-/// rows numbered after the old ones, the commit's token (to read back),
-/// and the release. No bump, no rows. Answers the rows bumped (1 or 0),
-/// and whether the lease was kept (here never).
-const COMMIT: &str = "WITH bump AS (
-        UPDATE lattice_sessions
-        SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-            lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false,
-            touched_at = now(), touched_minute = date_trunc('minute', now())
-        WHERE id = $1 AND lease_token = $2 AND version = $3
-        RETURNING message_count - $4 AS first
-    ), rows AS (
-        INSERT INTO lattice_messages (session_id, seq, message)
-        SELECT $1, bump.first + t.ord - 1, t.m
-        FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
-    )
-    SELECT count(*), false FROM bump";
-
-/// [`COMMIT`] keeping the lease under the token `$6` for `$7` ms (a token
-/// of its own for each commit: the read-back tells them apart), unless
-/// another replica asked for it: then it releases it.
-const COMMIT_KEEPING: &str = "WITH bump AS (
-        UPDATE lattice_sessions
-        SET version = version + 1, message_count = message_count + $4, last_commit = $2,
-            lease_token = CASE WHEN lease_wanted THEN NULL ELSE $6::uuid END,
-            lease_expires = CASE WHEN lease_wanted THEN NULL ELSE now() + $7 * interval '1 millisecond' END,
-            lease_kept = NOT lease_wanted, lease_wanted = false,
-            touched_at = now(), touched_minute = date_trunc('minute', now())
-        WHERE id = $1 AND lease_token = $2 AND version = $3
-        RETURNING message_count - $4 AS first, lease_kept AS kept
-    ), rows AS (
-        INSERT INTO lattice_messages (session_id, seq, message)
-        SELECT $1, bump.first + t.ord - 1, t.m
-        FROM bump, unnest($5::text[]) WITH ORDINALITY AS t(m, ord)
-    )
-    SELECT count(*), coalesce(bool_or(kept), false) FROM bump";
-
-/// What a commit statement's answer (the rows it bumped, and whether it
-/// kept the lease) means.
-fn sent(answer: Result<(i64, bool), tokio_postgres::Error>) -> Sent {
-    match answer {
-        Ok((1, kept)) => Sent::Committed { kept },
-        Ok(_) => Sent::LeaseGone,
-        Err(e) => {
-            let refused = e.as_db_error().is_some();
-            db("commit")(e);
-            if refused { Sent::NotWritten } else { Sent::Unknown }
-        }
-    }
-}
-
 /// How long a commit's read-back waits before asking the store again.
 const SETTLE_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -196,6 +101,7 @@ impl LeaseHolder for PgLease {
                 .iter()
                 .map(|m| serde_json::to_string(m).map_err(|_| StoreError::Unavailable("postgres")))
                 .collect::<Result<_, _>>()?;
+            let n = rows.len();
             if Instant::now() >= until {
                 // Not sent: nothing written.
                 self.give_back_later();
@@ -204,8 +110,19 @@ impl LeaseHolder for PgLease {
             // Kept, unless this replica is shutting down.
             let keep = (self.store.kept.is_some() && !self.store.keeper.stopped()).then(uuid::Uuid::new_v4);
             let started = Instant::now();
-            let sent = match tokio::time::timeout_at(until, self.send_commit(&rows, keep)).await {
-                Ok(sent) => sent,
+            let commit =
+                Commit { id: self.id.clone(), token: self.held.token, version: self.held.version, rows, keep, until };
+            let mut ticket = self.store.send_commit(commit);
+            let sent = match tokio::time::timeout_at(until, &mut ticket.answer).await {
+                Ok(Ok(sent)) => sent,
+                // Dropped unanswered (the runtime is stopping): it may have
+                // been sent.
+                Ok(Err(_)) => Sent::Unknown,
+                Err(_) if ticket.withdraw(&self.store) => {
+                    // Still waiting for its statement: nothing was sent.
+                    self.give_back_later();
+                    return Err(StoreError::Deadline);
+                }
                 Err(_) => {
                     warn!(operation = "commit", "session store did not answer before the query's deadline");
                     // Nothing can be asked after the deadline. The lease is
@@ -244,7 +161,7 @@ impl LeaseHolder for PgLease {
             };
             match &outcome {
                 Ok(()) => {
-                    debug!(session_id = %self.id, appended = rows.len(), "session committed");
+                    debug!(session_id = %self.id, appended = n, "session committed");
                     if let Some(cache) = &self.store.cache {
                         cache.append(&self.id, self.held.born, self.held.count, appended);
                     }
@@ -253,7 +170,7 @@ impl LeaseHolder for PgLease {
             }
             // Kept once the cache holds what was committed: the session's
             // next query reads its history there.
-            self.kept(next, rows.len(), started);
+            self.kept(next, n, started);
             outcome
         })
     }

@@ -48,6 +48,7 @@
 mod acquire;
 mod conn;
 mod connect;
+mod group;
 mod keeper;
 mod kept;
 mod lease;
@@ -114,6 +115,8 @@ pub struct PostgresStore {
     handovers: Arc<AtomicUsize>,
     /// Stops the keeper (started with the first lease kept).
     keeper: Arc<keeper::Keeper>,
+    /// Commits waiting for their statement, grouped (see `group`).
+    group: Arc<group::Group>,
 }
 
 /// A count or size as a bigint parameter (larger ones mean "no limit").
@@ -207,6 +210,7 @@ impl PostgresStore {
             reads_kept: Arc::default(),
             handovers: Arc::default(),
             keeper: Arc::default(),
+            group: Arc::default(),
         })
     }
 
@@ -219,6 +223,10 @@ impl PostgresStore {
             metrics.gauge(Family::SessionHistoryReads, read("kept"), self.reads_kept.clone());
             metrics.gauge(Family::SessionLeaseHandovers, Vec::new(), self.handovers.clone());
         }
+        let sent = |how: &str| vec![("sent", how.to_owned())];
+        metrics.gauge(Family::SessionCommitStatements, sent("alone"), self.group.alone.clone());
+        metrics.gauge(Family::SessionCommitStatements, sent("grouped"), self.group.grouped.clone());
+        metrics.gauge(Family::SessionGroupedCommits, Vec::new(), self.group.grouped_commits.clone());
         if let Some(cache) = &self.cache {
             metrics.gauge(Family::SessionHistoryCacheBytes, Vec::new(), cache.held());
         }
