@@ -5,9 +5,15 @@
 //! its WAL record of the commit) than on the rows it writes: one statement
 //! carrying eight sessions' commits costs it about a quarter of what eight
 //! statements do. Nothing waits to gather a group: a commit goes at once
-//! when fewer than [`IN_FLIGHT`] statements are on their way, and those
-//! that arrive meanwhile go together in the next one. With one query at a
-//! time, every commit goes alone, as before.
+//! when no commit statement is on its way, and those that arrive meanwhile
+//! go together in the next one. With one query at a time, every commit
+//! goes alone, as before.
+//!
+//! One statement on its way at a time makes the groups largest. So that a
+//! statement stuck on the database (a lock, a silent connection) does not
+//! hold up every other commit of the replica until its deadline, a second
+//! one leaves when the first has been on its way for [`RESCUE`] with
+//! commits waiting behind it.
 //!
 //! Each session's row keeps its own checks (the lease's token and the
 //! version it read), so in one statement some commits may land and others
@@ -21,6 +27,7 @@
 //! taken back: nothing was sent, so the query knows nothing was written.
 
 use std::{
+    future::Future,
     mem,
     sync::{
         Arc, Mutex,
@@ -37,8 +44,11 @@ use super::{
     conn::{Param, db},
 };
 
-/// Statements of grouped commits on their way at once.
+/// Commit statements on their way at once, at most.
 const IN_FLIGHT: usize = 2;
+/// How long a commit statement is on its way, with commits waiting, before
+/// another one leaves beside it.
+const RESCUE: std::time::Duration = std::time::Duration::from_millis(5);
 /// Commits in one statement, at most.
 const MAX_COMMITS: usize = 64;
 /// The stored text of one statement's commits, at most (a larger commit
@@ -97,9 +107,62 @@ struct Waiting {
 struct Queue {
     waiting: Vec<Waiting>,
     flying: usize,
+    /// Statements started so far.
+    started: u64,
+    /// Whether a second statement is to leave if the one on its way
+    /// takes [`RESCUE`].
+    rescue_armed: bool,
+}
+
+/// What a commit handed to the group starts.
+#[derive(Debug, PartialEq, Eq)]
+enum Start {
+    /// A statement now.
+    Statement,
+    /// A second statement after [`RESCUE`], unless a statement started
+    /// after the `started`-th meanwhile.
+    Rescue { started: u64 },
+    /// Nothing: it goes with the next statement.
+    Nothing,
 }
 
 impl Queue {
+    /// Adds `w`; what it starts.
+    fn push(&mut self, w: Waiting) -> Start {
+        self.waiting.push(w);
+        if self.flying == 0 {
+            self.flying = 1;
+            Start::Statement
+        } else if self.flying < IN_FLIGHT && !self.rescue_armed {
+            self.rescue_armed = true;
+            Start::Rescue { started: self.started }
+        } else {
+            Start::Nothing
+        }
+    }
+
+    /// After [`RESCUE`]: whether a second statement is to leave (no
+    /// statement started since the `started`-th, and commits wait).
+    fn rescue(&mut self, started: u64) -> bool {
+        self.rescue_armed = false;
+        let stuck = self.started == started && !self.waiting.is_empty() && self.flying < IN_FLIGHT;
+        if stuck {
+            self.flying += 1;
+        }
+        stuck
+    }
+
+    /// The next statement's commits, or None (and one statement fewer on
+    /// its way) when none wait.
+    fn next(&mut self) -> Option<Vec<Waiting>> {
+        if self.waiting.is_empty() {
+            self.flying -= 1;
+            return None;
+        }
+        self.started += 1;
+        Some(self.take())
+    }
+
     /// The next statement's commits: those waiting, in order, up to
     /// [`MAX_COMMITS`] and [`MAX_BYTES`] (the first always).
     fn take(&mut self) -> Vec<Waiting> {
@@ -149,36 +212,56 @@ impl Ticket {
     }
 }
 
+impl Group {
+    /// Sends statements with `send` until no commit waits.
+    async fn fly<F: Future<Output = ()>>(&self, send: impl Fn(Vec<Waiting>) -> F) {
+        loop {
+            let next = crate::sync::lock(&self.queue).next();
+            let Some(batch) = next else { return };
+            send(batch).await;
+        }
+    }
+
+    /// Hands `w` to the group: a statement leaves with `send` at once if
+    /// none is on its way, or a second after [`RESCUE`] if the one on its
+    /// way is stuck.
+    fn hand<F, Fut>(self: &Arc<Self>, w: Waiting, send: F)
+    where
+        F: Fn(Vec<Waiting>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let start = crate::sync::lock(&self.queue).push(w);
+        let group = self.clone();
+        match start {
+            Start::Statement => {
+                tokio::spawn(async move { group.fly(send).await });
+            }
+            Start::Rescue { started } => {
+                tokio::spawn(async move {
+                    tokio::time::sleep(RESCUE).await;
+                    let rescue = crate::sync::lock(&group.queue).rescue(started);
+                    if rescue {
+                        group.fly(send).await;
+                    }
+                });
+            }
+            Start::Nothing => {}
+        }
+    }
+}
+
 impl PostgresStore {
-    /// Hands `commit` to the group; a statement leaves at once if fewer
-    /// than [`IN_FLIGHT`] are on their way.
+    /// Hands `commit` to the group (see [`Group::hand`]).
     pub(super) fn send_commit(&self, commit: Commit) -> Ticket {
         let (tx, answer) = oneshot::channel();
         let token = commit.token;
-        let mut queue = crate::sync::lock(&self.group.queue);
-        queue.waiting.push(Waiting { commit, answer: tx });
-        if queue.flying < IN_FLIGHT {
-            queue.flying += 1;
-            drop(queue);
-            let store = self.clone();
-            tokio::spawn(async move { store.fly().await });
-        }
+        let store = self.clone();
+        let send = move |batch| {
+            let store = store.clone();
+            async move { store.send_batch(batch).await }
+        };
+        self.group.hand(Waiting { commit, answer: tx }, send);
         Ticket { answer, token }
-    }
-
-    /// Sends statements until no commit waits.
-    async fn fly(&self) {
-        loop {
-            let batch = {
-                let mut queue = crate::sync::lock(&self.group.queue);
-                if queue.waiting.is_empty() {
-                    queue.flying -= 1;
-                    return;
-                }
-                queue.take()
-            };
-            self.send_batch(batch).await;
-        }
     }
 
     /// One statement for `batch`, each commit answered: past the last of
@@ -424,5 +507,92 @@ mod tests {
         assert!(!queue.withdraw(b_token));
         assert!(queue.take().is_empty());
         assert_eq!(sent.len(), 1);
+    }
+
+    /// The statements a test's sender was given: when, and how many
+    /// commits each; and how many were on their way at most.
+    #[derive(Default)]
+    struct Sent {
+        batches: Mutex<Vec<(Duration, usize)>>,
+        flying: AtomicUsize,
+        most: AtomicUsize,
+    }
+
+    /// A sender that records each statement and answers it after
+    /// `answer_in`; the first one only when `first` is notified.
+    fn sender(
+        sent: &Arc<Sent>,
+        start: Instant,
+        answer_in: Duration,
+        first: Arc<tokio::sync::Notify>,
+    ) -> impl Fn(Vec<Waiting>) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + 'static {
+        let sent = sent.clone();
+        move |batch| {
+            let sent = sent.clone();
+            let first = first.clone();
+            Box::pin(async move {
+                let n = {
+                    let mut batches = crate::sync::lock(&sent.batches);
+                    batches.push((start.elapsed(), batch.len()));
+                    batches.len()
+                };
+                let flying = sent.flying.fetch_add(1, Ordering::SeqCst) + 1;
+                sent.most.fetch_max(flying, Ordering::SeqCst);
+                if n == 1 {
+                    first.notified().await;
+                } else {
+                    tokio::time::sleep(answer_in).await;
+                }
+                sent.flying.fetch_sub(1, Ordering::SeqCst);
+            })
+        }
+    }
+
+    /// A statement stuck on the database holds up the commits behind it
+    /// for [`RESCUE`] only: then a second statement takes them.
+    #[tokio::test(start_paused = true)]
+    async fn a_second_statement_leaves_when_the_first_is_stuck() {
+        let (group, sent, start) = (Arc::new(Group::default()), Arc::new(Sent::default()), Instant::now());
+        let stuck = Arc::new(tokio::sync::Notify::new());
+        for i in 0..3 {
+            group.hand(waiting(1).0, sender(&sent, start, Duration::from_millis(1), stuck.clone()));
+            if i == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let batches = crate::sync::lock(&sent.batches).clone();
+        assert_eq!(batches, [(Duration::ZERO, 1), (Duration::from_millis(1) + RESCUE, 2)]);
+        // Unstuck, both end: nothing on its way, nothing waiting.
+        stuck.notify_one();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let queue = crate::sync::lock(&group.queue);
+        assert_eq!((queue.flying, queue.waiting.len(), queue.rescue_armed), (0, 0, false));
+    }
+
+    /// While statements keep coming back, one at a time goes: commits
+    /// arriving meanwhile wait for the next, and go together.
+    #[tokio::test(start_paused = true)]
+    async fn statements_that_keep_coming_back_go_one_at_a_time() {
+        let (group, sent, start) = (Arc::new(Group::default()), Arc::new(Sent::default()), Instant::now());
+        let first = Arc::new(tokio::sync::Notify::new());
+        // The first statement comes back after 5 ms; each later one after 3.
+        let release = first.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            release.notify_one();
+        });
+        for _ in 0..20 {
+            group.hand(waiting(1).0, sender(&sent, start, Duration::from_millis(3), first.clone()));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let batches = crate::sync::lock(&sent.batches).clone();
+        assert_eq!(sent.most.load(Ordering::SeqCst), 1, "{batches:?}");
+        assert_eq!(batches.iter().map(|b| b.1).sum::<usize>(), 20);
+        // The second when the first came back, with the commits of the
+        // meantime (one every 2 ms).
+        assert_eq!(batches[..2], [(Duration::ZERO, 1), (Duration::from_millis(5), 2)]);
+        assert!(batches.len() < 20, "{batches:?}");
     }
 }
