@@ -237,22 +237,35 @@ impl Lattice {
     /// variables; its logs (RUST_LOG=trace) go to a file, see
     /// [`Lattice::process_logs`].
     pub async fn spawn(config: &str, env: &[(&str, &str)]) -> Lattice {
-        Self::spawn_with(config, env, None).await
+        Self::spawn_with(config, env, None, false).await
+    }
+
+    /// Spawns `lattice serve` as `deploy/` runs it, for benchmarks: its
+    /// default logging, thrown away, and no trace (open auth added); the
+    /// `lattice` built beside the running program, if there is one.
+    pub async fn spawn_untraced(config: &str, env: &[(&str, &str)]) -> Lattice {
+        Self::spawn_with(config, env, None, true).await
     }
 
     /// [`Lattice::spawn`] for a config with `[server.tls]`: its clients
     /// (health checks included) connect with `tls`.
     pub async fn spawn_tls(config: &str, env: &[(&str, &str)], tls: tonic::transport::ClientTlsConfig) -> Lattice {
-        Self::spawn_with(config, env, Some(tls)).await
+        Self::spawn_with(config, env, Some(tls), false).await
     }
 
-    /// Spawns `lattice serve`; a port another test took between our probe
-    /// and the bind (see [`free_addr`]) is retried with others.
-    async fn spawn_with(config: &str, env: &[(&str, &str)], tls: Option<tonic::transport::ClientTlsConfig>) -> Lattice {
+    /// Spawns `lattice serve` (`quiet`: see [`Lattice::spawn_untraced`]);
+    /// a port another test took between our probe and the bind (see
+    /// [`free_addr`]) is retried with others.
+    async fn spawn_with(
+        config: &str,
+        env: &[(&str, &str)],
+        tls: Option<tonic::transport::ClientTlsConfig>,
+        quiet: bool,
+    ) -> Lattice {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::spawn_once(config, env, tls.clone()).await {
+            match Self::spawn_once(config, env, tls.clone(), quiet).await {
                 Ok(lattice) => return lattice,
                 Err(log) if attempt < 5 && log.contains("already in use") => continue,
                 Err(log) => panic!("lattice did not start:\n{log}"),
@@ -264,26 +277,33 @@ impl Lattice {
         config: &str,
         env: &[(&str, &str)],
         tls: Option<tonic::transport::ClientTlsConfig>,
+        quiet: bool,
     ) -> Result<Lattice, String> {
         let dir = temp_dir("proc");
         let trace_dir = dir.join("traces");
         let config_path = dir.join("lattice.toml");
         let admin = free_addr().await;
-        std::fs::write(&config_path, with_test_keys(config, &trace_dir)).unwrap();
+        let written = if quiet { with_open_auth(config) } else { with_test_keys(config, &trace_dir) };
+        std::fs::write(&config_path, written).unwrap();
         let (l, addr) = bind().await;
         drop(l);
         let log_path = dir.join("lattice.log");
-        let log = std::fs::File::create(&log_path).unwrap();
-        let child = tokio::process::Command::new(workspace_binary("lattice"))
+        // A benchmark runs the `lattice` built beside it (a release build).
+        let beside = std::env::current_exe().ok().map(|exe| exe.with_file_name("lattice")).filter(|p| p.exists());
+        let bin = beside.filter(|_| quiet).unwrap_or_else(|| workspace_binary("lattice"));
+        let mut command = tokio::process::Command::new(bin);
+        command
             .args(["--log-format", "json", "serve", "--config"])
             .arg(&config_path)
             .args(["--listen", &addr.to_string(), "--admin-listen", &admin.to_string()])
-            .env("RUST_LOG", "trace")
             .envs(env.iter().copied())
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("the lattice binary");
+            .kill_on_drop(true);
+        if quiet {
+            command.stderr(std::process::Stdio::null());
+        } else {
+            command.env("RUST_LOG", "trace").stderr(std::fs::File::create(&log_path).unwrap());
+        }
+        let child = command.spawn().expect("the lattice binary");
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut lattice = Lattice {
             url: format!("{scheme}://{addr}"),

@@ -7,21 +7,24 @@
 //! costs per message of history), the same through each HTTP model
 //! provider's format (a local server answering as the provider does: what
 //! a request's body costs), and the session store: queries continuing sessions in the `memory` and
-//! the `postgres` store, with 1 and 16 clients at once (no trace; for the
-//! memory store also 16 clients on sessions of 4,000 messages); and the time of one
+//! the `postgres` store, with 1 and 16 clients at once (Lattice as `deploy/`
+//! runs it: `lattice serve` with one runtime thread, its default logging, no
+//! trace; for the memory store also 16 clients on sessions of 4,000
+//! messages); and the time of one
 //! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
 //! not grow with the conversation). Last, reading a 16 MiB conversation
 //! with GetSession, one page and all of its pages, from each store (paging
 //! through it must read it about once). PostgreSQL is the tests' throw-away
 //! cluster (see `lattice_tests::postgres`).
 //!
-//! `cargo run --release -p lattice-tests --bin lattice-bench [-- QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores] [--stores postgres+keep,…]`
+//! `cargo build --release -p lattice-server --bin lattice -p lattice-tests --bin lattice-bench`, then
+//! `target/release/lattice-bench [QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores] [--stores postgres+keep,…]`
 //!
 //! `--stores` runs only the session store rows named (and the memory
 //! store's, which the others are measured against): to profile one.
 //!
-//! `--split-cores` runs the session store's rows with this process (Lattice
-//! and its clients) on core 0 and PostgreSQL's processes on core 1, as with
+//! `--split-cores` runs the session store's rows with this process (the
+//! clients) and Lattice on core 0 and PostgreSQL's processes on core 1, as with
 //! the database on machines of its own: the memory store's rows then have
 //! one core too.
 
@@ -279,6 +282,12 @@ async fn session_growth(
 /// Query latency and throughput by session store and concurrency: each
 /// client continues a session of its own.
 async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
+    let beside = std::env::current_exe().map(|exe| exe.with_file_name("lattice"));
+    assert!(
+        beside.is_ok_and(|p| p.exists()),
+        "the session store rows run the `lattice` built beside this program: cargo build --release -p lattice-server \
+         --bin lattice"
+    );
     let cluster = Cluster::shared().await;
     let database = cluster.database().await;
     // TLS: a cluster of its own, accepting TLS only, reached with
@@ -337,9 +346,12 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
             }
             _ => "[sessions]\nstore = \"postgres\"\nurl_env = \"BENCH_PG\"\n",
         };
-        let config = sessions.to_owned() + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
-        // No trace: what is measured is the store.
-        let lattice = std::sync::Arc::new(Lattice::start_untraced(&config, &[("BENCH_PG", url)]).await);
+        // As deployed: a process of its own, one runtime thread, its
+        // default logging; no trace: what is measured is the store.
+        let config =
+            "[server]\nworker_threads = 1\n".to_owned() + sessions + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+        let lattice = std::sync::Arc::new(Lattice::spawn_untraced(&config, &[("BENCH_PG", url)]).await);
+        let served = lattice.pid().expect("a lattice process");
         // Clients and queries each: `queries` in all; and for the memory
         // store, whose lease takes a list of the conversation's messages,
         // 16 clients whose sessions grow to 4,000 messages (PostgreSQL
@@ -353,7 +365,8 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         {
             let statements_before = commit_statements(&lattice).await;
             let all = Instant::now();
-            let cpu_before = (cpu(std::process::id()), postgres_cpu());
+            let ours = || cpu(std::process::id()) + cpu(served);
+            let cpu_before = (ours(), postgres_cpu());
             let mut tasks = Vec::new();
             for _ in 0..clients {
                 let lattice = lattice.clone();
@@ -383,7 +396,7 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
             }
             let total = all.elapsed();
             let n = u32::try_from(times.len()).unwrap_or(u32::MAX).max(1);
-            let ours = cpu(std::process::id()).saturating_sub(cpu_before.0) / n;
+            let ours = ours().saturating_sub(cpu_before.0) / n;
             let database = postgres_cpu().saturating_sub(cpu_before.1) / n;
             times.sort();
             let (p50, rate) = (percentile(&times, 0.5), times.len() as f64 / total.as_secs_f64());
