@@ -296,13 +296,14 @@ impl Lattice {
             .args(["--log-format", "json", "serve", "--config"])
             .arg(&config_path)
             .args(["--listen", &addr.to_string(), "--admin-listen", &admin.to_string()])
-            .envs(env.iter().copied())
             .kill_on_drop(true);
         if quiet {
             command.stderr(std::process::Stdio::null());
         } else {
+            // Everything, unless the caller's `env` says otherwise.
             command.env("RUST_LOG", "trace").stderr(std::fs::File::create(&log_path).unwrap());
         }
+        command.envs(env.iter().copied());
         let child = command.spawn().expect("the lattice binary");
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut lattice = Lattice {
