@@ -198,17 +198,25 @@ pub(super) struct Group {
 }
 
 /// A commit handed to the group: its answer comes when its statement's
-/// does.
+/// does. Dropped before its commit was sent (its query ended), it takes
+/// the commit back.
 pub(super) struct Ticket {
     pub(super) answer: oneshot::Receiver<Sent>,
     token: uuid::Uuid,
+    group: Arc<Group>,
 }
 
 impl Ticket {
     /// Takes the commit back if it has not been sent: true when nothing
     /// was (or will be) sent.
-    pub(super) fn withdraw(&self, store: &PostgresStore) -> bool {
-        crate::sync::lock(&store.group.queue).withdraw(self.token)
+    pub(super) fn withdraw(&self) -> bool {
+        crate::sync::lock(&self.group.queue).withdraw(self.token)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.withdraw();
     }
 }
 
@@ -261,7 +269,7 @@ impl PostgresStore {
             async move { store.send_batch(batch).await }
         };
         self.group.hand(Waiting { commit, answer: tx }, send);
-        Ticket { answer, token }
+        Ticket { answer, token, group: self.group.clone() }
     }
 
     /// One statement for `batch`, each commit answered: past the last of
@@ -594,5 +602,25 @@ mod tests {
         // meantime (one every 2 ms).
         assert_eq!(batches[..2], [(Duration::ZERO, 1), (Duration::from_millis(5), 2)]);
         assert!(batches.len() < 20, "{batches:?}");
+    }
+
+    /// A query that ends while its commit waits for a statement (its
+    /// ticket dropped) takes the commit back: it is never sent.
+    #[tokio::test(start_paused = true)]
+    async fn a_commit_whose_query_ended_before_its_statement_is_never_sent() {
+        let (group, sent, start) = (Arc::new(Group::default()), Arc::new(Sent::default()), Instant::now());
+        let stuck = Arc::new(tokio::sync::Notify::new());
+        group.hand(waiting(1).0, sender(&sent, start, Duration::from_millis(1), stuck.clone()));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let (w, token) = waiting(1);
+        let (tx, answer) = oneshot::channel();
+        group.hand(Waiting { answer: tx, ..w }, sender(&sent, start, Duration::from_millis(1), stuck.clone()));
+        drop(Ticket { answer, token, group: group.clone() });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(*crate::sync::lock(&sent.batches), [(Duration::ZERO, 1)], "only the first was sent");
+        stuck.notify_one();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let queue = crate::sync::lock(&group.queue);
+        assert_eq!((queue.flying, queue.waiting.len()), (0, 0));
     }
 }

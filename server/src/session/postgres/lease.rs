@@ -118,7 +118,7 @@ impl LeaseHolder for PgLease {
                 // Dropped unanswered (the runtime is stopping): it may have
                 // been sent.
                 Ok(Err(_)) => Sent::Unknown,
-                Err(_) if ticket.withdraw(&self.store) => {
+                Err(_) if ticket.withdraw() => {
                     // Still waiting for its statement: nothing was sent.
                     self.give_back_later();
                     return Err(StoreError::Deadline);
