@@ -10,7 +10,9 @@
 //! the `postgres` store, with 1 and 16 clients at once (Lattice as `deploy/`
 //! runs it: `lattice serve` with one runtime thread, its default logging, no
 //! trace; for the memory store also 16 clients on sessions of 4,000
-//! messages); and the time of one
+//! messages; each other store's figures against the memory store's
+//! measured again just before them, as the machine's speed drifts); and
+//! the time of one
 //! PostgreSQL commit for conversations of 10, 100 and 1,000 turns (it must
 //! not grow with the conversation). Last, reading a 16 MiB conversation
 //! with GetSession, one page and all of its pages, from each store (paging
@@ -28,7 +30,10 @@
 //! the database on machines of its own: the memory store's rows then have
 //! one core too.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use lattice_server::{
     config::PostgresSettings,
@@ -319,10 +324,8 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         "a bare statement round trip (SELECT 1, p50 of 2,000): {round_trip:.2?} plaintext, {tls_round_trip:.2?} with TLS"
     );
     println!("{:>12} {:>8} {:>9} {:>10} {:>10} {:>12}", "store", "clients", "messages", "p50", "p99", "queries/s");
-    // (p50 at 1 client, queries/s at 16, and at 16 the CPU per query of
-    // this process, Lattice and its clients, and of PostgreSQL's) of each
-    // store.
-    let mut figures: Vec<(&str, Duration, f64, Duration, Duration)> = Vec::new();
+    // The memory store's server, once started (the first row).
+    let mut memory: Option<Arc<Lattice>> = None;
     // `pg-no-pipe`: each of a query's statements on a pooled connection
     // of its own, as before queries shared pipelined connections. `+keep`:
     // leases kept between queries (`keep_lease_ms`), so a session's next
@@ -350,108 +353,138 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         // default logging; no trace: what is measured is the store.
         let config =
             "[server]\nworker_threads = 1\n".to_owned() + sessions + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
-        let lattice = std::sync::Arc::new(Lattice::spawn_untraced(&config, &[("BENCH_PG", url)]).await);
-        let served = lattice.pid().expect("a lattice process");
-        // Clients and queries each: `queries` in all; and for the memory
-        // store, whose lease takes a list of the conversation's messages,
-        // 16 clients whose sessions grow to 4,000 messages (PostgreSQL
-        // reads what a replica does not know from the database, which the
-        // commits section below measures).
-        let long = (store == "memory").then_some((16, 2000, true));
-        let (mut p50_one, mut rate_sixteen) = (Duration::ZERO, 0.0);
-        let (mut ours_sixteen, mut database_sixteen) = (Duration::ZERO, Duration::ZERO);
-        for (clients, per_client, is_long) in
-            [(1usize, queries, false), (16, queries / 16, false)].into_iter().chain(long)
-        {
-            let statements_before = commit_statements(&lattice).await;
-            let all = Instant::now();
-            let ours = || cpu(std::process::id()) + cpu(served);
-            let cpu_before = (ours(), postgres_cpu());
-            let mut tasks = Vec::new();
-            for _ in 0..clients {
-                let lattice = lattice.clone();
-                tasks.push(tokio::spawn(async move {
-                    // One connection per client, kept, as a real client does.
-                    let mut client = lattice.client().await;
-                    let sid = lattice.query("a", "start").await.session_id();
-                    let mut times = Vec::with_capacity(per_client);
-                    for _ in 0..per_client {
-                        let opts = QueryOpts {
-                            agent: "a".into(),
-                            prompt: "next".into(),
-                            session: Some(sid.clone()),
-                            no_model_requests: true,
-                            ..Default::default()
-                        };
-                        let out = Lattice::query_on(&mut client, opts).await;
-                        out.expect_ok();
-                        times.push(out.elapsed);
-                    }
-                    times
-                }));
+        let lattice = Arc::new(Lattice::spawn_untraced(&config, &[("BENCH_PG", url)]).await);
+        let Some(memory) = &memory else {
+            // The memory store: the reference, kept running to be measured
+            // again beside each other row; also 16 clients whose sessions
+            // grow to 4,000 messages (its lease takes a list of the
+            // conversation's messages; PostgreSQL reads what a replica does
+            // not know from the database, which the commits section below
+            // measures).
+            for (clients, per_client) in [(1, queries), (16, queries / 16), (16, 2000)] {
+                measure(&lattice, clients, per_client).await.print(store, clients, per_client);
             }
-            let mut times = Vec::new();
-            for t in tasks {
-                times.extend(t.await.unwrap());
-            }
-            let total = all.elapsed();
-            let n = u32::try_from(times.len()).unwrap_or(u32::MAX).max(1);
-            let ours = ours().saturating_sub(cpu_before.0) / n;
-            let database = postgres_cpu().saturating_sub(cpu_before.1) / n;
-            times.sort();
-            let (p50, rate) = (percentile(&times, 0.5), times.len() as f64 / total.as_secs_f64());
-            if !is_long {
-                match clients {
-                    1 => p50_one = p50,
-                    _ => (rate_sixteen, ours_sixteen, database_sixteen) = (rate, ours, database),
-                }
-            }
-            // PostgreSQL: how many commits each statement carried (group
-            // commit).
-            let per_statement = match (statements_before, commit_statements(&lattice).await) {
-                (Some(before), Some(after)) if after.1 > before.1 => {
-                    format!("  {:.1} commits a statement", (after.0 - before.0) / (after.1 - before.1))
-                }
-                _ => String::new(),
-            };
-            println!(
-                "{store:>12} {clients:>8} {:>9} {:>10.2?} {:>10.2?} {:>12.0}{per_statement}",
-                2 * (per_client + 1),
-                p50,
-                percentile(&times, 0.99),
-                rate
-            );
-        }
-        figures.push((store, p50_one, rate_sixteen, ours_sixteen, database_sixteen));
-    }
-    let (_, memory_p50, memory_rate, memory_cpu, _) = figures[0];
-    for (store, p50, rate, ours, database) in &figures[1..] {
-        let added = p50.saturating_sub(memory_p50);
+            memory = Some(lattice);
+            continue;
+        };
+        // Each figure against the memory store measured just before it:
+        // the machine's speed drifts within a run.
+        let memory_one = measure(memory, 1, queries).await;
+        let one = measure(&lattice, 1, queries).await;
+        let memory_sixteen = measure(memory, 16, queries / 16).await;
+        let sixteen = measure(&lattice, 16, queries / 16).await;
+        one.print(store, 1, queries);
+        sixteen.print(store, 16, queries / 16);
+        let added = one.p50.saturating_sub(memory_one.p50);
         let two = |rt: Duration| added.as_secs_f64() / (2.0 * rt.as_secs_f64());
         // With TLS, also against bare round trips over TLS: how much of
         // what the store adds is TLS making every round trip dearer.
-        let over_tls = match *store {
+        let over_tls = match store {
             "postgres+tls" | "pg+tls+keep" => format!(" ({:.2}x two bare round trips over TLS)", two(tls_round_trip)),
             _ => String::new(),
         };
         println!(
-            "{store}: added p50 over memory {added:.2?} = {:.2}x two bare round trips{over_tls} (goal <= 1.5); \
-             queries/s at 16 clients {:.0} % of memory's (goal >= 80 %)",
+            "{store}: added p50 over memory ({:.2?}) {added:.2?} = {:.2}x two bare round trips{over_tls} (goal <= 1.5); \
+             queries/s at 16 clients {:.0} % of memory's ({:.0}) (goal >= 80 %)",
+            memory_one.p50,
             two(round_trip),
-            100.0 * rate / memory_rate
+            100.0 * sixteen.rate / memory_sixteen.rate,
+            memory_sixteen.rate
         );
         // At 16 clients the row is bound by the two cores: with PostgreSQL
         // on machines of its own, what Lattice and its clients spend per
         // query is what bounds it.
         println!(
-            "{store}: CPU per query at 16 clients: Lattice and the clients {ours:.0?} (memory store {memory_cpu:.0?}), \
-             PostgreSQL {database:.0?}; with the database on cores of its own, an estimate: {:.0} % of memory's",
-            100.0 * memory_cpu.as_secs_f64() / ours.as_secs_f64().max(1e-9)
+            "{store}: CPU per query at 16 clients: Lattice and the clients {:.0?} (memory store {:.0?}), \
+             PostgreSQL {:.0?}; with the database on cores of its own, an estimate: {:.0} % of memory's",
+            sixteen.ours,
+            memory_sixteen.ours,
+            sixteen.database,
+            100.0 * memory_sixteen.ours.as_secs_f64() / sixteen.ours.as_secs_f64().max(1e-9)
         );
     }
     if split_cores {
         pin(std::process::id(), &all_cores);
         postgres_pids().into_iter().for_each(|pid| pin(pid, &all_cores));
+    }
+}
+
+/// One row of the session store's table: its queries' times, their rate,
+/// and the CPU per query of Lattice and the clients, and of PostgreSQL;
+/// and the commits a statement carried (PostgreSQL).
+struct Row {
+    times: Vec<Duration>,
+    p50: Duration,
+    rate: f64,
+    ours: Duration,
+    database: Duration,
+    per_statement: Option<f64>,
+}
+
+impl Row {
+    fn print(&self, store: &str, clients: usize, per_client: usize) {
+        let per_statement = self.per_statement.map(|n| format!("  {n:.1} commits a statement")).unwrap_or_default();
+        println!(
+            "{store:>12} {clients:>8} {:>9} {:>10.2?} {:>10.2?} {:>12.0}{per_statement}",
+            2 * (per_client + 1),
+            self.p50,
+            percentile(&self.times, 0.99),
+            self.rate
+        );
+    }
+}
+
+/// `clients` clients at once, each continuing a session of its own (new)
+/// with `per_client` queries.
+async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> Row {
+    let served = lattice.pid().expect("a lattice process");
+    let statements_before = commit_statements(lattice).await;
+    let all = Instant::now();
+    let ours = || cpu(std::process::id()) + cpu(served);
+    let cpu_before = (ours(), postgres_cpu());
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let lattice = lattice.clone();
+        tasks.push(tokio::spawn(async move {
+            // One connection per client, kept, as a real client does.
+            let mut client = lattice.client().await;
+            let sid = lattice.query("a", "start").await.session_id();
+            let mut times = Vec::with_capacity(per_client);
+            for _ in 0..per_client {
+                let opts = QueryOpts {
+                    agent: "a".into(),
+                    prompt: "next".into(),
+                    session: Some(sid.clone()),
+                    no_model_requests: true,
+                    ..Default::default()
+                };
+                let out = Lattice::query_on(&mut client, opts).await;
+                out.expect_ok();
+                times.push(out.elapsed);
+            }
+            times
+        }));
+    }
+    let mut times = Vec::new();
+    for t in tasks {
+        times.extend(t.await.unwrap());
+    }
+    let total = all.elapsed();
+    let n = u32::try_from(times.len()).unwrap_or(u32::MAX).max(1);
+    let ours = ours().saturating_sub(cpu_before.0) / n;
+    let database = postgres_cpu().saturating_sub(cpu_before.1) / n;
+    times.sort();
+    let per_statement = match (statements_before, commit_statements(lattice).await) {
+        (Some(before), Some(after)) if after.1 > before.1 => Some((after.0 - before.0) / (after.1 - before.1)),
+        _ => None,
+    };
+    Row {
+        p50: percentile(&times, 0.5),
+        rate: times.len() as f64 / total.as_secs_f64(),
+        times,
+        ours,
+        database,
+        per_statement,
     }
 }
 
