@@ -9,8 +9,8 @@ use tracing::{debug, warn};
 
 use super::{
     PostgresStore,
+    commit::{Commit, Sent},
     conn::bounded,
-    group::{Commit, Sent},
     kept,
 };
 use crate::{

@@ -46,6 +46,7 @@
 //! TLS verdict, a refused or reset connection).
 
 mod acquire;
+mod commit;
 mod conn;
 mod connect;
 mod group;
