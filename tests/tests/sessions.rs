@@ -885,13 +885,18 @@ async fn admin(url: &str) -> tokio_postgres::Client {
     client
 }
 
-/// `n` sessions opened on `lattice`, each with the prompt "cN open".
-async fn open_sessions(lattice: &Lattice, n: usize) -> Vec<String> {
+/// A replica on a fresh database, with `[sessions]` keys [`UNPIPELINED`]
+/// and `extra`, and 16 sessions opened on it, session `c` with the prompt
+/// "cN open": the database's URL, the replica, the sessions.
+async fn sixteen_sessions(extra: &str) -> (String, Arc<Lattice>, Vec<String>) {
+    let url = Cluster::shared().await.database().await;
+    let keys = format!("{UNPIPELINED}\n{extra}");
+    let lattice = Arc::new(Lattice::spawn(&config(0, &keys), &[(URL_ENV, &url)]).await);
     let mut sessions = Vec::new();
-    for c in 0..n {
+    for c in 0..16 {
         sessions.push(lattice.query("a", &format!("c{c} open")).await.session_id());
     }
-    sessions
+    (url, lattice, sessions)
 }
 
 /// Each session's prompts, as stored.
@@ -962,9 +967,7 @@ async fn behind_a_lock(
 /// statement. Every turn is stored once, in order.
 #[tokio::test(flavor = "multi_thread")]
 async fn commits_waiting_at_the_same_time_go_in_one_statement() {
-    let url = Cluster::shared().await.database().await;
-    let lattice = Arc::new(Lattice::spawn(&config(0, UNPIPELINED), &[(URL_ENV, &url)]).await);
-    let sessions = open_sessions(&lattice, 16).await;
+    let (url, lattice, sessions) = sixteen_sessions("").await;
     let before = commit_statements(&lattice).await;
     let next = |c: usize| format!("c{c} next");
     for out in behind_a_lock(&lattice, &url, &sessions, next, None).await {
@@ -987,10 +990,7 @@ async fn commits_waiting_at_the_same_time_go_in_one_statement() {
 /// kept lease.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_refused_in_a_group_fails_only_its_own_query() {
-    let url = Cluster::shared().await.database().await;
-    let keys = format!("{KEEP}\n{UNPIPELINED}");
-    let lattice = Arc::new(Lattice::spawn(&config(0, &keys), &[(URL_ENV, &url)]).await);
-    let sessions = open_sessions(&lattice, 16).await;
+    let (url, lattice, sessions) = sixteen_sessions(KEEP).await;
     let admin = admin(&url).await;
     admin
         .batch_execute(
@@ -1030,9 +1030,7 @@ async fn a_commit_refused_in_a_group_fails_only_its_own_query() {
 /// then land.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_waiting_for_its_statement_past_its_deadline_is_not_sent() {
-    let url = Cluster::shared().await.database().await;
-    let lattice = Arc::new(Lattice::spawn(&config(0, UNPIPELINED), &[(URL_ENV, &url)]).await);
-    let sessions = open_sessions(&lattice, 16).await;
+    let (url, lattice, sessions) = sixteen_sessions("").await;
     let before = commit_statements(&lattice).await;
     let next = |c: usize| format!("c{c} next");
     let outcomes = behind_a_lock(&lattice, &url, &sessions, next, Some(Duration::from_millis(1000))).await;
