@@ -3,7 +3,7 @@
 //! task (no copy of the value in between) and checked against the
 //! client's message limit before they are queued.
 
-use std::time::Duration;
+use std::{collections::VecDeque, time::Duration};
 
 use lattice_proto::agent::v1::{self as pb, query_event::Event as PbEvent};
 use tokio::sync::mpsc;
@@ -63,13 +63,21 @@ pub enum Event<'a> {
     },
 }
 
-/// What the response stream carries: an event, or the status that ends it.
+/// What the response stream carries: an event, or the status that ends it;
+/// and when the query waits only for its own session store.
 #[derive(Debug)]
 pub enum Out {
     /// An event.
     Event(PbEvent),
     /// The query failed.
     Fail(Status),
+    /// The query's run is over and it now finishes: its commit (or the
+    /// release of its lease), its trace. What it sent last, not yet on its
+    /// way, is held back until [`Out::Release`], to leave with the result
+    /// or the failure.
+    Hold,
+    /// The result or the failure follows.
+    Release,
 }
 
 /// Where a run's events go: the client's response stream.
@@ -148,42 +156,85 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, TooLarge> {
 /// a query cut short for one that succeeded. After the result the stream
 /// still ends only once the task is gone, so a client that sees the end
 /// finds everything the query held (its admission, its session) released.
+///
+/// While the query finishes ([`Out::Hold`] to [`Out::Release`]: its
+/// commit, or the release of its lease, and its trace) the stream yields
+/// nothing, so that its last events leave with its result (or its failure)
+/// once the session store has answered: one write to the client instead of
+/// two, and one wake-up of the client. What the query sent just before
+/// (its final reply, queued an instant before) is held back with them. The
+/// wait is bounded by the query's deadline.
 #[derive(Debug)]
 pub struct QueryEvents {
     rx: mpsc::Receiver<Out>,
-    /// What the task sent first, taken before the stream was handed out
-    /// (see [`QueryEvents::after_first`]); `Some(None)` if it sent nothing.
-    head: Option<Option<Out>>,
+    /// Received, not yet passed on: what was waiting in the channel when the
+    /// stream last looked, at most [`LOOKAHEAD`] (and what the query sends
+    /// while it finishes: its result or its failure).
+    queue: VecDeque<Result<PbEvent, Status>>,
+    /// Between a [`Out::Hold`] and its [`Out::Release`].
+    holding: bool,
+    /// The task let go of its sender.
+    closed: bool,
     /// The result or the failure has been passed on.
     ended: bool,
 }
+
+/// How many events the stream takes in ahead of what it yields (the
+/// channel's own capacity, so what a query has queued stays bounded as
+/// before).
+const LOOKAHEAD: usize = 32;
 
 impl QueryEvents {
     /// The stream of what the query's task sends on `rx`, at once (the
     /// service hands it out with [`QueryEvents::after_first`]).
     #[cfg(test)]
     fn new(rx: mpsc::Receiver<Out>) -> Self {
-        Self { rx, head: None, ended: false }
+        Self { rx, queue: VecDeque::new(), holding: false, closed: false, ended: false }
     }
 
-    /// The stream, once the task has sent its first event (or ended).
+    /// The stream, once the task has sent its first event (or ended), and
+    /// is not finishing.
     ///
     /// The response's headers then leave with the first events instead of
     /// on their own: the query's task runs to its first wait (a model or a
-    /// tool call, whose request is queued first) before the response is
-    /// handed to the connection, so the client is sent one write fewer.
-    pub async fn after_first(mut rx: mpsc::Receiver<Out>) -> Self {
-        let first = rx.recv().await;
-        Self { rx, head: Some(first), ended: false }
+    /// tool call, whose request is queued first, or its commit) before the
+    /// response is handed to the connection, so the client is sent one
+    /// write fewer.
+    pub async fn after_first(rx: mpsc::Receiver<Out>) -> Self {
+        let mut events = Self { rx, queue: VecDeque::new(), holding: false, closed: false, ended: false };
+        std::future::poll_fn(|cx| events.poll_ready(cx)).await;
+        events
     }
 
-    fn item(&mut self, out: Option<Out>) -> Option<Result<pb::QueryEvent, Status>> {
+    /// Takes in what the task has sent so far; ready when there is
+    /// something to yield (an item, or the end), not held back.
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        while !self.closed && (self.holding || self.queue.len() < LOOKAHEAD) {
+            match self.rx.poll_recv(cx) {
+                std::task::Poll::Ready(Some(Out::Hold)) => self.holding = true,
+                std::task::Poll::Ready(Some(Out::Release)) => self.holding = false,
+                std::task::Poll::Ready(Some(Out::Event(event))) => self.queue.push_back(Ok(event)),
+                std::task::Poll::Ready(Some(Out::Fail(status))) => self.queue.push_back(Err(status)),
+                std::task::Poll::Ready(None) => self.closed = true,
+                // The task is woken when more comes.
+                std::task::Poll::Pending => break,
+            }
+        }
+        // Nothing to yield yet, or held back. (A task gone while holding
+        // leaves nothing to wait for.)
+        if !self.closed && (self.holding || self.queue.is_empty()) {
+            return std::task::Poll::Pending;
+        }
+        std::task::Poll::Ready(())
+    }
+
+    fn item(&mut self, out: Option<Result<PbEvent, Status>>) -> Option<Result<pb::QueryEvent, Status>> {
         Some(match out {
-            Some(Out::Event(event)) => {
+            Some(Ok(event)) => {
                 self.ended |= matches!(event, PbEvent::Result(_));
                 Ok(pb::QueryEvent { event: Some(event) })
             }
-            Some(Out::Fail(status)) => {
+            Some(Err(status)) => {
                 self.ended = true;
                 Err(status)
             }
@@ -204,10 +255,8 @@ impl futures_util::Stream for QueryEvents {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        let out = match self.head.take() {
-            Some(first) => first,
-            None => std::task::ready!(self.rx.poll_recv(cx)),
-        };
+        std::task::ready!(self.poll_ready(cx));
+        let out = self.queue.pop_front();
         std::task::Poll::Ready(self.item(out))
     }
 }
@@ -232,6 +281,8 @@ mod tests {
                 let out = match out {
                     Out::Event(e) => Out::Event(e.clone()),
                     Out::Fail(s) => Out::Fail(Status::new(s.code(), s.message())),
+                    Out::Hold => Out::Hold,
+                    Out::Release => Out::Release,
                 };
                 assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
             }
@@ -277,6 +328,80 @@ mod tests {
         let first = events.next().await;
         assert!(matches!(first, Some(Ok(pb::QueryEvent { event: Some(PbEvent::Started(_)) }))), "{first:?}");
         assert!(events.next().now_or_never().is_none(), "ended while the task still held its sender");
+    }
+
+    fn assistant() -> Out {
+        Out::Event(PbEvent::Assistant(pb::AssistantMessageEvent::default()))
+    }
+
+    fn result() -> Out {
+        Out::Event(PbEvent::Result(pb::FinalResult::default()))
+    }
+
+    /// The names of the events `events` yields now, without waiting.
+    fn ready_now(events: &mut QueryEvents) -> Vec<&'static str> {
+        use futures_util::FutureExt as _;
+
+        let mut names = vec![];
+        while let Some(Some(item)) = events.next().now_or_never() {
+            names.push(match item.map(|e| e.event) {
+                Ok(Some(PbEvent::Started(_))) => "started",
+                Ok(Some(PbEvent::Assistant(_))) => "assistant",
+                Ok(Some(PbEvent::Result(_))) => "result",
+                Ok(_) => "other",
+                Err(_) => "failure",
+            });
+        }
+        names
+    }
+
+    /// While the query finishes, the stream yields nothing: what the task
+    /// sent just before it began to finish leaves with the result (or the
+    /// failure), in order; what it sent earlier and was yielded is not
+    /// held back.
+    #[tokio::test]
+    async fn the_last_events_leave_with_the_result() {
+        for end in [result(), Out::Fail(Status::unavailable("store"))] {
+            let (tx, rx) = mpsc::channel(8);
+            let mut events = QueryEvents::new(rx);
+            for out in [started(), assistant(), Out::Hold] {
+                assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
+            }
+            assert_eq!(ready_now(&mut events), Vec::<&str>::new(), "held back while the query finishes");
+            assert!(tx.send(Out::Release).await.is_ok() && tx.send(end).await.is_ok());
+            let last = ready_now(&mut events);
+            assert!(matches!(last.last(), Some(&"result" | &"failure")), "{last:?}");
+            assert_eq!(last[..2], ["started", "assistant"], "in order, with the end");
+        }
+
+        // Yielded before the query began to finish: not held back.
+        let (tx, rx) = mpsc::channel(8);
+        let mut events = QueryEvents::new(rx);
+        assert!(tx.send(started()).await.is_ok());
+        assert_eq!(ready_now(&mut events), ["started"]);
+        assert!(tx.send(assistant()).await.is_ok() && tx.send(Out::Hold).await.is_ok());
+        assert_eq!(ready_now(&mut events), Vec::<&str>::new());
+        drop(tx);
+        // A task gone while finishing leaves nothing to wait for.
+        assert_eq!(ready_now(&mut events), ["assistant", "failure"]);
+    }
+
+    /// The stream is handed out once the query is not finishing: a query
+    /// whose run ended before its first wait sends its events in one go,
+    /// with the response's headers.
+    #[tokio::test]
+    async fn the_stream_is_handed_out_after_the_finish() {
+        use futures_util::FutureExt as _;
+
+        let (tx, rx) = mpsc::channel(8);
+        let mut waiting = Box::pin(QueryEvents::after_first(rx));
+        for out in [started(), assistant(), Out::Hold] {
+            assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
+        }
+        assert!((&mut waiting).now_or_never().is_none(), "handed out while the query finishes");
+        assert!(tx.send(Out::Release).await.is_ok() && tx.send(result()).await.is_ok());
+        let mut events = waiting.await;
+        assert_eq!(ready_now(&mut events), ["started", "assistant", "result"]);
     }
 
     /// After the result, the stream ends when the query's task lets go of

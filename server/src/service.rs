@@ -226,6 +226,9 @@ impl AgentSvc {
             // Committed, and the session released, before the client sees
             // the result: its next query finds the session free. A commit
             // that fails (lease lost, store down) fails the query instead.
+            // From here the stream holds back the last events, to leave with
+            // the result or the failure (see `QueryEvents`).
+            let _ = out_tx.send(Out::Hold).await;
             let outcome = match outcome {
                 Ok((mut out, result)) => {
                     // The messages this query appended, moved to the store.
@@ -270,6 +273,7 @@ impl AgentSvc {
                     );
                     audit(&runtime, &scope, agent.hooks.version(), code).await;
                     runtime.tracer().flush().await;
+                    let _ = out_tx.send(Out::Release).await;
                     let _ = out_tx.send(Out::Event(result)).await;
                 }
                 Err(e) => {
@@ -281,6 +285,7 @@ impl AgentSvc {
                     warn!(code = status::code_name(st.code()), error = %e, elapsed_ms, "query failed");
                     audit(&runtime, &scope, agent.hooks.version(), code).await;
                     runtime.tracer().flush().await;
+                    let _ = out_tx.send(Out::Release).await;
                     let _ = out_tx.send(Out::Fail(st)).await;
                 }
             }

@@ -1038,10 +1038,22 @@ async fn a_commit_waiting_for_its_statement_past_its_deadline_is_not_sent() {
         match c {
             0 | 1 => assert_eq!(out.code(), Code::Ok, "{c}: {:?}", out.status),
             _ => {
-                assert_eq!(out.code(), Code::DeadlineExceeded, "{c}: {:?}", out.status);
+                // Nothing of these queries has reached their client (their
+                // events leave with their end): the client's own timer
+                // (tonic's, on `grpc-timeout`, until the response's
+                // headers) may tell it first. Lattice's count below says
+                // how Lattice ended them.
+                let code = out.code();
+                assert!(matches!(code, Code::DeadlineExceeded | Code::Cancelled), "{c}: {:?}", out.status);
                 assert!(out.elapsed < Duration::from_millis(1500), "{c} took {:?}", out.elapsed);
             }
         }
+    }
+    let deadline_exceeded = "lattice_queries_total{agent=\"a\",code=\"DEADLINE_EXCEEDED\"}";
+    let ended = Instant::now();
+    while sample(&lattice.metrics().await, deadline_exceeded) != Some(14.0) {
+        assert!(ended.elapsed() < Duration::from_secs(5), "{}", lattice.metrics().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let after = commit_statements(&lattice).await;
     assert_eq!([0, 1, 2].map(|i| after[i] - before[i]), [2.0, 0.0, 0.0], "statements alone, grouped, carried");
