@@ -359,6 +359,29 @@ impl PgBouncer {
     }
 }
 
+/// Returns once a statement on the database at `url` waits for a lock
+/// (a test's own transaction holds it); panics, naming `what`, after 10 s.
+pub async fn until_a_statement_waits_for_a_lock(url: &str, what: &str) {
+    let (observer, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let since = Instant::now();
+    loop {
+        let waiting: i64 = observer
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            return;
+        }
+        assert!(since.elapsed() < Duration::from_secs(10), "{what} never waited for the lock");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 impl Drop for PgBouncer {
     fn drop(&mut self) {
         let _ = self.child.kill();

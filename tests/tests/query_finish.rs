@@ -5,7 +5,10 @@
 use std::time::{Duration, Instant};
 
 use lattice_proto::agent::v1::{self as pb, query_event::Event};
-use lattice_tests::{Lattice, cfg, message_text, postgres::Cluster};
+use lattice_tests::{
+    Lattice, cfg, message_text,
+    postgres::{Cluster, until_a_statement_waits_for_a_lock},
+};
 use tokio::sync::mpsc;
 
 const URL_ENV: &str = "LATTICE_POSTGRES_URL";
@@ -58,23 +61,7 @@ async fn the_final_reply_and_the_result_leave_together_once_stored_(extra: &str)
     });
 
     // The commit's statement waits for the lock…
-    let observer = connect(&url).await;
-    let waiting_since = Instant::now();
-    loop {
-        let waiting: i64 = observer
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(waiting_since.elapsed() < Duration::from_secs(10), "the commit never waited for the lock");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_a_statement_waits_for_a_lock(&url, "the commit").await;
     // …and meanwhile nothing of the query reaches the client: not its
     // final reply, not even the response's headers.
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -15,7 +15,7 @@ use lattice_tests::{
     Lattice, QueryOpts, cfg,
     hook::{Behaviour, HookServer},
     message_text,
-    postgres::Cluster,
+    postgres::{Cluster, until_a_statement_waits_for_a_lock},
     sample,
     tool::{ToolDef, ToolServer},
 };
@@ -445,24 +445,7 @@ async fn a_lease_taken_while_a_commit_lands_reads_that_commits_messages() {
     });
     // Wait until the acquire's statement waits for the row lock: it began
     // before the commit landed.
-    let (observer, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
-    let started = Instant::now();
-    loop {
-        let waiting: i64 = observer
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "the acquire never waited for the row lock");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_a_statement_waits_for_a_lock(&url, "the acquire").await;
     commit.commit().await.unwrap();
 
     let history = acquiring.await.unwrap().expect("the session is free once the commit lands");
