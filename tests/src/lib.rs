@@ -485,8 +485,12 @@ impl Lattice {
             include_model_requests: !opts.no_model_requests,
         });
         if let Some(t) = opts.timeout {
-            // Sent as a header only, so that the client sees Lattice's own
-            // status rather than its local timer's.
+            // Sent as a header only: no timer of the client's own runs over
+            // the whole stream, so once the response's headers have come
+            // the client sees Lattice's status. (tonic's channel still
+            // times the wait for those headers by this header: a query
+            // whose first events have not left by its deadline may end at
+            // the client's timer first, CANCELLED "Timeout expired".)
             let v = format!("{}m", t.as_millis());
             req.metadata_mut().insert("grpc-timeout", v.parse().unwrap());
         }
