@@ -64,7 +64,7 @@ pub enum Event<'a> {
 }
 
 /// What the response stream carries: an event, or the status that ends it;
-/// and when the query waits only for its own session store.
+/// and when the query begins to finish.
 #[derive(Debug)]
 pub enum Out {
     /// An event.
@@ -73,11 +73,8 @@ pub enum Out {
     Fail(Status),
     /// The query's run is over and it now finishes: its commit (or the
     /// release of its lease), its trace. What it sent last, not yet on its
-    /// way, is held back until [`Out::Release`], to leave with the result
-    /// or the failure.
-    Hold,
-    /// The result or the failure follows.
-    Release,
+    /// way, is held back to leave with the result or the failure.
+    Finishing,
 }
 
 /// Where a run's events go: the client's response stream.
@@ -157,11 +154,11 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, TooLarge> {
 /// still ends only once the task is gone, so a client that sees the end
 /// finds everything the query held (its admission, its session) released.
 ///
-/// While the query finishes ([`Out::Hold`] to [`Out::Release`]: its
-/// commit, or the release of its lease, and its trace) the stream yields
-/// nothing, so that its last events leave with its result (or its failure)
-/// once the session store has answered: one write to the client instead of
-/// two, and one wake-up of the client. What the query sent just before
+/// While the query finishes (from [`Out::Finishing`] to its result or
+/// failure: its commit, or the release of its lease, and its trace) the
+/// stream yields nothing, so that its last events leave with its result (or
+/// its failure) once the session store has answered: one write to the
+/// client instead of two, and one wake-up of the client. What the query sent just before
 /// (its final reply, queued an instant before) is held back with them. The
 /// wait is bounded by the query's deadline.
 #[derive(Debug)]
@@ -171,7 +168,7 @@ pub struct QueryEvents {
     /// stream last looked, at most [`LOOKAHEAD`] (and what the query sends
     /// while it finishes: its result or its failure).
     queue: VecDeque<Result<PbEvent, Status>>,
-    /// Between a [`Out::Hold`] and its [`Out::Release`].
+    /// After [`Out::Finishing`], until the result or the failure.
     holding: bool,
     /// The task let go of its sender.
     closed: bool,
@@ -187,7 +184,6 @@ const LOOKAHEAD: usize = 32;
 impl QueryEvents {
     /// The stream of what the query's task sends on `rx`, at once (the
     /// service hands it out with [`QueryEvents::after_first`]).
-    #[cfg(test)]
     fn new(rx: mpsc::Receiver<Out>) -> Self {
         Self { rx, queue: VecDeque::new(), holding: false, closed: false, ended: false }
     }
@@ -201,7 +197,7 @@ impl QueryEvents {
     /// response is handed to the connection, so the client is sent one
     /// write fewer.
     pub async fn after_first(rx: mpsc::Receiver<Out>) -> Self {
-        let mut events = Self { rx, queue: VecDeque::new(), holding: false, closed: false, ended: false };
+        let mut events = Self::new(rx);
         std::future::poll_fn(|cx| events.poll_ready(cx)).await;
         events
     }
@@ -211,10 +207,16 @@ impl QueryEvents {
     fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         while !self.closed && (self.holding || self.queue.len() < LOOKAHEAD) {
             match self.rx.poll_recv(cx) {
-                std::task::Poll::Ready(Some(Out::Hold)) => self.holding = true,
-                std::task::Poll::Ready(Some(Out::Release)) => self.holding = false,
-                std::task::Poll::Ready(Some(Out::Event(event))) => self.queue.push_back(Ok(event)),
-                std::task::Poll::Ready(Some(Out::Fail(status))) => self.queue.push_back(Err(status)),
+                std::task::Poll::Ready(Some(Out::Finishing)) => self.holding = true,
+                std::task::Poll::Ready(Some(Out::Event(event))) => {
+                    // The result releases what was held back.
+                    self.holding &= !matches!(event, PbEvent::Result(_));
+                    self.queue.push_back(Ok(event));
+                }
+                std::task::Poll::Ready(Some(Out::Fail(status))) => {
+                    self.holding = false;
+                    self.queue.push_back(Err(status));
+                }
                 std::task::Poll::Ready(None) => self.closed = true,
                 // The task is woken when more comes.
                 std::task::Poll::Pending => break,
@@ -281,8 +283,7 @@ mod tests {
                 let out = match out {
                     Out::Event(e) => Out::Event(e.clone()),
                     Out::Fail(s) => Out::Fail(Status::new(s.code(), s.message())),
-                    Out::Hold => Out::Hold,
-                    Out::Release => Out::Release,
+                    Out::Finishing => Out::Finishing,
                 };
                 assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
             }
@@ -364,11 +365,11 @@ mod tests {
         for end in [result(), Out::Fail(Status::unavailable("store"))] {
             let (tx, rx) = mpsc::channel(8);
             let mut events = QueryEvents::new(rx);
-            for out in [started(), assistant(), Out::Hold] {
+            for out in [started(), assistant(), Out::Finishing] {
                 assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
             }
             assert_eq!(ready_now(&mut events), Vec::<&str>::new(), "held back while the query finishes");
-            assert!(tx.send(Out::Release).await.is_ok() && tx.send(end).await.is_ok());
+            assert!(tx.send(end).await.is_ok());
             let last = ready_now(&mut events);
             assert!(matches!(last.last(), Some(&"result" | &"failure")), "{last:?}");
             assert_eq!(last[..2], ["started", "assistant"], "in order, with the end");
@@ -379,7 +380,7 @@ mod tests {
         let mut events = QueryEvents::new(rx);
         assert!(tx.send(started()).await.is_ok());
         assert_eq!(ready_now(&mut events), ["started"]);
-        assert!(tx.send(assistant()).await.is_ok() && tx.send(Out::Hold).await.is_ok());
+        assert!(tx.send(assistant()).await.is_ok() && tx.send(Out::Finishing).await.is_ok());
         assert_eq!(ready_now(&mut events), Vec::<&str>::new());
         drop(tx);
         // A task gone while finishing leaves nothing to wait for.
@@ -395,11 +396,11 @@ mod tests {
 
         let (tx, rx) = mpsc::channel(8);
         let mut waiting = Box::pin(QueryEvents::after_first(rx));
-        for out in [started(), assistant(), Out::Hold] {
+        for out in [started(), assistant(), Out::Finishing] {
             assert!(tx.send(out).await.is_ok(), "the stream's receiver is open");
         }
         assert!((&mut waiting).now_or_never().is_none(), "handed out while the query finishes");
-        assert!(tx.send(Out::Release).await.is_ok() && tx.send(result()).await.is_ok());
+        assert!(tx.send(result()).await.is_ok());
         let mut events = waiting.await;
         assert_eq!(ready_now(&mut events), ["started", "assistant", "result"]);
     }

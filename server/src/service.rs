@@ -228,7 +228,7 @@ impl AgentSvc {
             // that fails (lease lost, store down) fails the query instead.
             // From here the stream holds back the last events, to leave with
             // the result or the failure (see `QueryEvents`).
-            let _ = out_tx.send(Out::Hold).await;
+            let _ = out_tx.send(Out::Finishing).await;
             let outcome = match outcome {
                 Ok((mut out, result)) => {
                     // The messages this query appended, moved to the store.
@@ -273,7 +273,6 @@ impl AgentSvc {
                     );
                     audit(&runtime, &scope, agent.hooks.version(), code).await;
                     runtime.tracer().flush().await;
-                    let _ = out_tx.send(Out::Release).await;
                     let _ = out_tx.send(Out::Event(result)).await;
                 }
                 Err(e) => {
@@ -285,7 +284,6 @@ impl AgentSvc {
                     warn!(code = status::code_name(st.code()), error = %e, elapsed_ms, "query failed");
                     audit(&runtime, &scope, agent.hooks.version(), code).await;
                     runtime.tracer().flush().await;
-                    let _ = out_tx.send(Out::Release).await;
                     let _ = out_tx.send(Out::Fail(st)).await;
                 }
             }

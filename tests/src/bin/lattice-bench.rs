@@ -393,9 +393,7 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         );
         // At 16 clients the row is bound by the cores: with its clients and
         // PostgreSQL on machines of their own, what Lattice spends per query
-        // is what bounds it. (Its clients' share is theirs: a query whose
-        // commit waits for the database reaches its client in two writes
-        // instead of one, each waking it.)
+        // is what bounds it, so its share is reported apart from theirs.
         println!(
             "{store}: CPU per query at 16 clients: Lattice {:.0?} (memory store {:.0?}), its clients {:.0?} ({:.0?}), \
              PostgreSQL {:.0?}; with the clients and the database on machines of their own, an estimate: {:.0} % of \
