@@ -934,6 +934,15 @@ async fn behind_a_lock(
         outcomes.push(q.await.unwrap());
     }
     if queued_timeout.is_some() {
+        // Their clients may have given up first (their own timer, on
+        // `grpc-timeout`): the lock goes once Lattice has ended them too,
+        // so that none is still waiting to be sent when it goes.
+        let in_flight = "lattice_queries_in_flight";
+        let ended = Instant::now();
+        while sample(&lattice.metrics().await, in_flight) != Some(2.0) {
+            assert!(ended.elapsed() < Duration::from_secs(5), "{}", lattice.metrics().await);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         admin.batch_execute("COMMIT").await.unwrap();
     }
     let mut first = Vec::new();
@@ -1032,12 +1041,9 @@ async fn a_commit_waiting_for_its_statement_past_its_deadline_is_not_sent() {
             }
         }
     }
+    let text = lattice.metrics().await;
     let deadline_exceeded = "lattice_queries_total{agent=\"a\",code=\"DEADLINE_EXCEEDED\"}";
-    let ended = Instant::now();
-    while sample(&lattice.metrics().await, deadline_exceeded) != Some(14.0) {
-        assert!(ended.elapsed() < Duration::from_secs(5), "{}", lattice.metrics().await);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert_eq!(sample(&text, deadline_exceeded), Some(14.0), "{text}");
     let after = commit_statements(&lattice).await;
     assert_eq!([0, 1, 2].map(|i| after[i] - before[i]), [2.0, 0.0, 0.0], "statements alone, grouped, carried");
     for (c, prompts) in stored_prompts(&lattice, &sessions).await.iter().enumerate() {
