@@ -309,20 +309,22 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         pin(std::process::id(), "0");
         postgres_pids().into_iter().for_each(|pid| pin(pid, "1"));
     }
-    let round_trip = {
+    let plain = {
         let (client, connection) = tokio_postgres::connect(&database, tokio_postgres::NoTls).await.unwrap();
         tokio::spawn(connection);
-        bare_round_trip(&client).await
+        client
     };
     // Over TLS as the store's own connections: verify-full with the CA.
-    let tls_round_trip = bare_round_trip(&connect_postgres_once(&tls_url).await.unwrap()).await;
+    let tls = connect_postgres_once(&tls_url).await.unwrap();
+    let (round_trip, tls_round_trip) = (bare_round_trip(&plain).await, bare_round_trip(&tls).await);
     println!();
     println!("session store: each client continuing a session of its own (1 model request a query, no trace)");
     if split_cores {
         println!("split cores: Lattice and its clients on core 0, PostgreSQL on core 1");
     }
     println!(
-        "a bare statement round trip (SELECT 1, p50 of 2,000): {round_trip:.2?} plaintext, {tls_round_trip:.2?} with TLS"
+        "a bare statement round trip (SELECT 1, p50 of 2,000): {round_trip:.2?} plaintext, {tls_round_trip:.2?} with TLS \
+         (and beside each row, below)"
     );
     println!("{:>12} {:>8} {:>9} {:>10} {:>10} {:>12}", "store", "clients", "messages", "p50", "p99", "queries/s");
     // The memory store's server, once started (the first row).
@@ -369,9 +371,15 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
             continue;
         };
         // Each figure against the memory store measured just before it:
-        // the machine's speed drifts within a run.
+        // the machine's speed drifts within a run. So are the bare round
+        // trips: the mean of theirs just before and just after the 1-client
+        // figures.
+        settle([&plain, &tls]).await;
+        let before = (bare_round_trip(&plain).await, bare_round_trip(&tls).await);
         let memory_one = measure(memory, 1, queries).await;
         let one = measure(&lattice, 1, queries).await;
+        let (round_trip, tls_round_trip) =
+            ((before.0 + bare_round_trip(&plain).await) / 2, (before.1 + bare_round_trip(&tls).await) / 2);
         // At 16 clients, rounds taking turns with the memory store (which
         // goes first every other round), each round's rate against the
         // memory store's beside it: the figure is their median, as one
@@ -403,7 +411,8 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         };
         let (median, low, high) = spread(ratios);
         println!(
-            "{store}: added p50 over memory ({:.2?}) {added:.2?} = {:.2}x two bare round trips{over_tls} (goal <= 1.5); \
+            "{store}: added p50 over memory ({:.2?}) {added:.2?} = {:.2}x two bare round trips ({round_trip:.2?}, \
+             {tls_round_trip:.2?} with TLS, beside this row){over_tls} (goal <= 1.5); \
              queries/s at 16 clients {:.0} % of memory's ({:.0}), median of {ROUNDS} rounds ({:.0}-{:.0} %) (goal >= 80 %)",
             memory_one.p50,
             two(round_trip),
@@ -573,6 +582,17 @@ fn pin(pid: u32, cores: &str) {
         .stdout(std::process::Stdio::null())
         .status();
     assert!(status.is_ok_and(|s| s.success()), "taskset could not pin process {pid} to cores {cores}");
+}
+
+/// Vacuums and checkpoints the databases of `clients` (both clusters),
+/// so that what the rows before wrote is cleaned up now and not by
+/// autovacuum during the next row, whose PostgreSQL core would do that
+/// work too and whose CPU figure would count it.
+async fn settle(clients: [&tokio_postgres::Client; 2]) {
+    for client in clients {
+        client.batch_execute("VACUUM ANALYZE").await.unwrap();
+        client.batch_execute("CHECKPOINT").await.unwrap();
+    }
 }
 
 /// The p50 of a bare statement round trip on `client` (`SELECT 1`,
