@@ -158,14 +158,14 @@ pub fn sized(event: PbEvent, limit: usize) -> Result<PbEvent, TooLarge> {
 /// failure: its commit, or the release of its lease, and its trace) the
 /// stream yields nothing, so that its last events leave with its result (or
 /// its failure) once the session store has answered: one write to the
-/// client instead of two, and one wake-up of the client. What the query sent just before
-/// (its final reply, queued an instant before) is held back with them. The
-/// wait is bounded by the query's deadline.
+/// client instead of two, and one wake-up of the client. What the query
+/// sent just before (its final reply, queued an instant before) is held
+/// back with them. The wait is bounded by the query's deadline.
 #[derive(Debug)]
 pub struct QueryEvents {
     rx: mpsc::Receiver<Out>,
     /// Received, not yet passed on: what was waiting in the channel when the
-    /// stream last looked, at most [`LOOKAHEAD`] (and what the query sends
+    /// stream last looked, at most [`CAPACITY`] (and what the query sends
     /// while it finishes: its result or its failure).
     queue: VecDeque<Result<PbEvent, Status>>,
     /// After [`Out::Finishing`], until the result or the failure.
@@ -176,10 +176,10 @@ pub struct QueryEvents {
     ended: bool,
 }
 
-/// How many events the stream takes in ahead of what it yields (the
-/// channel's own capacity, so what a query has queued stays bounded as
-/// before).
-const LOOKAHEAD: usize = 32;
+/// How many items a query's task may queue on its response stream (the
+/// channel's capacity); the stream takes in as many ahead of what it
+/// yields, so what a query has queued stays bounded by it.
+pub const CAPACITY: usize = 32;
 
 impl QueryEvents {
     /// The stream of what the query's task sends on `rx`, at once (the
@@ -205,7 +205,7 @@ impl QueryEvents {
     /// Takes in what the task has sent so far; ready when there is
     /// something to yield (an item, or the end), not held back.
     fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
-        while !self.closed && (self.holding || self.queue.len() < LOOKAHEAD) {
+        while !self.closed && (self.holding || self.queue.len() < CAPACITY) {
             match self.rx.poll_recv(cx) {
                 std::task::Poll::Ready(Some(Out::Finishing)) => self.holding = true,
                 std::task::Poll::Ready(Some(Out::Event(event))) => {

@@ -173,7 +173,7 @@ impl AgentSvc {
         crate::telemetry::set_parent(&span, parent);
         debug!(parent: &span, prompt_bytes = req.prompt.len(), budget_ms = budget.as_millis() as u64, new_session = create, "query started");
 
-        let (out_tx, out_rx) = mpsc::channel::<Out>(32);
+        let (out_tx, out_rx) = mpsc::channel::<Out>(events::CAPACITY);
         let limit = runtime.settings.max_message_bytes;
         let scope = Scope {
             agent: agent.def.name.clone(),

@@ -359,11 +359,17 @@ impl PgBouncer {
     }
 }
 
+/// A connection of the test's own to the database at `url` (plaintext).
+pub async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
 /// Returns once a statement on the database at `url` waits for a lock
 /// (a test's own transaction holds it); panics, naming `what`, after 10 s.
 pub async fn until_a_statement_waits_for_a_lock(url: &str, what: &str) {
-    let (observer, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let observer = connect(url).await;
     let since = Instant::now();
     loop {
         let waiting: i64 = observer

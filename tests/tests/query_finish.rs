@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use lattice_proto::agent::v1::{self as pb, query_event::Event};
 use lattice_tests::{
     Lattice, cfg, message_text,
-    postgres::{Cluster, until_a_statement_waits_for_a_lock},
+    postgres::{Cluster, connect, until_a_statement_waits_for_a_lock},
 };
 use tokio::sync::mpsc;
 
@@ -80,10 +80,4 @@ async fn the_final_reply_and_the_result_leave_together_once_stored_(extra: &str)
     let stored = lattice.session(&session).await.unwrap();
     let texts: Vec<_> = stored.messages.iter().map(message_text).collect();
     assert_eq!(texts, ["open", "done", "next", "done"]);
-}
-
-async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
-    client
 }

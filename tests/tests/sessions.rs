@@ -15,7 +15,7 @@ use lattice_tests::{
     Lattice, QueryOpts, cfg,
     hook::{Behaviour, HookServer},
     message_text,
-    postgres::{Cluster, until_a_statement_waits_for_a_lock},
+    postgres::{Cluster, connect, until_a_statement_waits_for_a_lock},
     sample,
     tool::{ToolDef, ToolServer},
 };
@@ -861,13 +861,6 @@ async fn commit_statements(lattice: &Lattice) -> [f64; 3] {
         .map(|series| sample(&text, &series).unwrap_or_else(|| panic!("no {series} in {text}")))
 }
 
-/// A connection of the test's own to the database at `url`.
-async fn admin(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
-    client
-}
-
 /// A replica on a fresh database, with `[sessions]` keys [`UNPIPELINED`]
 /// and `extra`, and 16 sessions opened on it, session `c` with the prompt
 /// "cN open": the database's URL, the replica, the sessions.
@@ -911,7 +904,7 @@ async fn behind_a_lock(
     prompt: impl Fn(usize) -> String,
     queued_timeout: Option<Duration>,
 ) -> Vec<lattice_tests::Outcome> {
-    let admin = admin(url).await;
+    let admin = connect(url).await;
     admin.batch_execute("BEGIN; LOCK TABLE lattice_messages IN EXCLUSIVE MODE").await.unwrap();
     let last = sessions.len() - 1;
     let mut queries = Vec::new();
@@ -983,7 +976,7 @@ async fn commits_waiting_at_the_same_time_go_in_one_statement() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_refused_in_a_group_fails_only_its_own_query() {
     let (url, lattice, sessions) = sixteen_sessions(KEEP).await;
-    let admin = admin(&url).await;
+    let admin = connect(&url).await;
     admin
         .batch_execute(
             "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$

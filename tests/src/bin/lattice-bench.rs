@@ -309,11 +309,7 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         pin(std::process::id(), "0");
         postgres_pids().into_iter().for_each(|pid| pin(pid, "1"));
     }
-    let plain = {
-        let (client, connection) = tokio_postgres::connect(&database, tokio_postgres::NoTls).await.unwrap();
-        tokio::spawn(connection);
-        client
-    };
+    let plain = lattice_tests::postgres::connect(&database).await;
     // Over TLS as the store's own connections: verify-full with the CA.
     let tls = connect_postgres_once(&tls_url).await.unwrap();
     let (round_trip, tls_round_trip) = (bare_round_trip(&plain).await, bare_round_trip(&tls).await);
