@@ -1,6 +1,7 @@
-//! Busy polling (`server.busy_poll_us`): while a hook or tool call is in
-//! flight, `lattice serve`'s one worker thread keeps polling for readiness
-//! instead of sleeping in the kernel, for at most the budget at a time.
+//! Busy polling (`server.busy_poll_us`): while a hook or tool call, or a
+//! query's statement to the session store, is in flight, `lattice
+//! serve`'s one worker thread keeps polling for readiness instead of
+//! sleeping in the kernel, for at most the budget at a time.
 //!
 //! A thread that sleeps while it waits for a peer's answer pays for the
 //! sleep when the answer comes: the kernel switches it back in, and on a
@@ -24,7 +25,7 @@
 
 use std::sync::{
     Arc,
-    atomic::{AtomicU64, AtomicUsize, Ordering},
+    atomic::{AtomicUsize, Ordering},
 };
 
 use tokio::{
@@ -39,8 +40,8 @@ pub use crate::config::BUSY_POLL_MAX_US as MAX_US;
 pub struct Poller {
     in_flight: AtomicUsize,
     sent: Notify,
-    /// Turns the poller has yielded (for tests).
-    polls: AtomicU64,
+    /// Turns the poller has taken (`lattice_busy_poll_turns_total`).
+    polls: Arc<AtomicUsize>,
 }
 
 /// The agent runtime's busy poller (see the module docs): it polls while
@@ -104,8 +105,13 @@ impl Poller {
         }
     }
 
+    /// The turns taken so far, as the metric reads them.
+    pub fn turns(&self) -> Arc<AtomicUsize> {
+        self.polls.clone()
+    }
+
     #[cfg(test)]
-    fn polls(&self) -> u64 {
+    fn polls(&self) -> usize {
         self.polls.load(Ordering::Relaxed)
     }
 }

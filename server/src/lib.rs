@@ -184,7 +184,9 @@ async fn serve(
     let (store, postgres): (Arc<dyn SessionStore>, _) = match &sessions.store {
         StoreSettings::Memory => (Arc::new(MemoryStore::new(sessions.max_sessions, sessions.idle_ttl)), None),
         StoreSettings::Postgres(pg) => {
-            let store = PostgresStore::new(pg, sessions.lease_ttl, sessions.idle_ttl).map_err(ServeError::Store)?;
+            let store = PostgresStore::new(pg, sessions.lease_ttl, sessions.idle_ttl)
+                .map_err(ServeError::Store)?
+                .poll_with(runtime.poller());
             store.observe(&metrics);
             // Migrated (or checked, with migrate = "never") before serving.
             // A schema this build can't use stops it; a database that can't

@@ -847,10 +847,14 @@ async fn busy_polling_serves_calls_and_sleeps_when_idle() {
         let fields: Vec<&str> = stat.rsplit(") ").next().unwrap().split(' ').collect();
         fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
     };
+    let turns = || async { lattice_tests::sample(&lattice.metrics().await, "lattice_busy_poll_turns_total") };
+    let turned = turns().await.expect("lattice_busy_poll_turns_total");
+    assert!(turned > 0.0, "the poller took no turn for 40 calls");
     let before = cpu_ticks();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = cpu_ticks() - before;
     assert!(idle < 20, "an idle server spent {idle} ticks of 100 in a second");
+    assert_eq!(turns().await, Some(turned), "the poller turned with no call in flight");
     assert_eq!(lattice.query("support", "again").await.expect_ok().turns, 2);
 }
 

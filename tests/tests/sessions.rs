@@ -1047,3 +1047,45 @@ async fn a_commit_waiting_for_its_statement_past_its_deadline_is_not_sent() {
         assert_eq!(prompts, &expected, "session {c}");
     }
 }
+
+/// `server.busy_poll_us` covers a query's statements to the session store
+/// as it covers its hook and tool calls: while one is on its way, `lattice
+/// serve` polls for the answer instead of sleeping. Here each query's
+/// lease statement waits on a lock (the sessions table held by another
+/// transaction), a new one every 25 ms, and there is no hook or tool: the
+/// poller's turns (`lattice_busy_poll_turns_total`) are the store's. Each
+/// waiting statement wakes it at least once; with nothing in flight it
+/// takes none. Once the lock goes, every query ends OK.
+#[tokio::test(flavor = "multi_thread")]
+async fn busy_polling_covers_the_store_statements() {
+    const QUERIES: usize = 20;
+    let url = Cluster::shared().await.database().await;
+    let config = "[server]\nworker_threads = 1\nbusy_poll_us = 10000\n".to_owned() + &config(0, UNPIPELINED);
+    let lattice = Arc::new(Lattice::spawn(&config, &[(URL_ENV, &url)]).await);
+    let turns = || async { sample(&lattice.metrics().await, "lattice_busy_poll_turns_total").expect("the metric") };
+    let mut sessions = Vec::new();
+    for c in 0..QUERIES {
+        sessions.push(lattice.query("a", &format!("c{c} open")).await.session_id());
+    }
+    // Nothing in flight: the poller waits.
+    let before = turns().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(turns().await, before, "no call in flight, yet the poller turned");
+
+    let admin = connect(&url).await;
+    admin.batch_execute("BEGIN; LOCK TABLE lattice_sessions IN EXCLUSIVE MODE").await.unwrap();
+    let mut queries = Vec::new();
+    let mut woken = 0;
+    for sid in &sessions {
+        let before = turns().await;
+        let (lattice, opts) = (lattice.clone(), continue_(sid, "next"));
+        queries.push(tokio::spawn(async move { lattice.query_with(opts).await }));
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        woken += usize::from(turns().await > before);
+    }
+    admin.batch_execute("COMMIT").await.unwrap();
+    for q in queries {
+        assert_eq!(q.await.unwrap().expect_ok().turns, 1);
+    }
+    assert_eq!(woken, QUERIES, "statements waiting that woke the poller");
+}

@@ -252,6 +252,9 @@ impl Runtime {
         let metrics = Arc::new(Metrics::default());
         let s = &config.server;
         let busy_poll = s.busy_poll.map(|budget| Arc::new(BusyPoll::start(budget)));
+        if let Some(b) = &busy_poll {
+            metrics.gauge(crate::metrics::Family::BusyPollTurns, Vec::new(), b.poller().turns());
+        }
         let transport = Transport {
             health_every: s.peer_health_check,
             gather_writes: s.gather_writes,
@@ -295,6 +298,12 @@ impl Runtime {
     /// How long the busy poller polls at a time, if the runtime polls.
     pub fn busy_poll_budget(&self) -> Option<Duration> {
         self.busy_poll.as_ref().map(|b| b.budget())
+    }
+
+    /// The busy poller, if the runtime polls: what a call on its way to
+    /// any peer (the session store's among them) marks itself on.
+    pub fn poller(&self) -> Option<Arc<crate::busy_poll::Poller>> {
+        self.busy_poll.as_ref().map(|b| b.poller())
     }
 
     /// How the runtime's peers' connections behave.

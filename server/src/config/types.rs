@@ -149,8 +149,9 @@ pub struct ServerSettings {
     /// Tokio worker threads of `lattice serve`; `None`: one per core.
     pub worker_threads: Option<usize>,
     /// How long `lattice serve` polls for readiness instead of sleeping
-    /// while a hook or tool call is in flight (`server.busy_poll_us`, see
-    /// [`crate::busy_poll`]); `None`: it sleeps.
+    /// while a hook or tool call, or a query's session store statement, is
+    /// in flight (`server.busy_poll_us`, see [`crate::busy_poll`]); `None`:
+    /// it sleeps.
     pub busy_poll: Option<Duration>,
     /// Whether the small writes of Lattice's connections (API, hooks,
     /// tools) are gathered into fewer (`server.gather_writes`, see

@@ -45,6 +45,8 @@ pub enum Family {
     ShadowHookCalls,
     /// Config reloads, by result.
     ConfigReloads,
+    /// Turns of the busy poller (`server.busy_poll_us`).
+    BusyPollTurns,
 }
 
 impl Family {
@@ -67,6 +69,7 @@ impl Family {
             Family::SessionLeaseHandovers => "lattice_session_lease_handovers_total",
             Family::SessionCommitStatements => "lattice_session_commit_statements_total",
             Family::SessionGroupedCommits => "lattice_session_grouped_commits_total",
+            Family::BusyPollTurns => "lattice_busy_poll_turns_total",
         }
     }
 
@@ -111,6 +114,10 @@ impl Family {
             Family::SessionHistoryCacheBytes => {
                 "Conversations this replica keeps (sessions.history_cache_mib), in bytes of text and overhead."
             }
+            Family::BusyPollTurns => {
+                "Turns the busy poller (server.busy_poll_us) took while a hook, tool or session store call was in \
+                 flight."
+            }
         }
     }
 }
@@ -148,10 +155,11 @@ impl Family {
                 | Family::SessionLeaseHandovers
                 | Family::SessionCommitStatements
                 | Family::SessionGroupedCommits
+                | Family::BusyPollTurns
         )
     }
 
-    pub(super) const ALL: [Family; 17] = [
+    pub(super) const ALL: [Family; 18] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -169,5 +177,6 @@ impl Family {
         Family::SessionGroupedCommits,
         Family::ShadowHookCalls,
         Family::ConfigReloads,
+        Family::BusyPollTurns,
     ];
 }

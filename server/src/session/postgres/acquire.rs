@@ -175,7 +175,10 @@ impl PostgresStore {
                     let client = self.conn("read").await?;
                     Self::messages(&client, session_id, 0, count).await
                 };
-                match bounded(deadline, "read", StoreError::Deadline, read).await {
+                let polling = self.polling();
+                let read = bounded(deadline, "read", StoreError::Deadline, read).await;
+                drop(polling);
+                match read {
                     Ok(messages) => {
                         self.reads_whole.fetch_add(1, Ordering::Relaxed);
                         if let Some(cache) = &self.cache {

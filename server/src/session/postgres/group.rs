@@ -236,6 +236,7 @@ impl PostgresStore {
     /// answered as sent without an answer.
     async fn send_batch(&self, batch: Vec<Waiting>) {
         let Some(until) = batch.iter().map(|w| w.commit.until).max() else { return };
+        let _polling = self.polling();
         if let [one] = &batch[..] {
             self.group.alone.fetch_add(1, Ordering::Relaxed);
             // Cut off: sent, and no answer.

@@ -118,6 +118,9 @@ pub struct PostgresStore {
     keeper: Arc<keeper::Keeper>,
     /// Commits waiting for their statement, grouped (see `group`).
     group: Arc<group::Group>,
+    /// The runtime's busy poller (`server.busy_poll_us`), which a query's
+    /// statement on its way keeps polling.
+    poller: Option<Arc<crate::busy_poll::Poller>>,
 }
 
 /// A count or size as a bigint parameter (larger ones mean "no limit").
@@ -212,7 +215,21 @@ impl PostgresStore {
             handovers: Arc::default(),
             keeper: Arc::default(),
             group: Arc::default(),
+            poller: None,
         })
+    }
+
+    /// Keeps `poller` polling while a query's statement (its lease, its
+    /// history, its commit) is on its way (see [`crate::busy_poll`]).
+    pub fn poll_with(mut self, poller: Option<Arc<crate::busy_poll::Poller>>) -> Self {
+        self.poller = poller;
+        self
+    }
+
+    /// Marks a query's statement in flight on the busy poller, if any,
+    /// until dropped.
+    fn polling(&self) -> Option<crate::busy_poll::InFlight<'_>> {
+        self.poller.as_ref().map(|p| p.call())
     }
 
     /// Shows the store's reads and its cache in `metrics`.
@@ -410,7 +427,10 @@ impl SessionStore for PostgresStore {
                 // for a little (see `kept`).
                 let mut handover = kept::Handover::new();
                 loop {
-                    match self.lease(session_id, agent, owner, create, token).await {
+                    let polling = self.polling();
+                    let leased = self.lease(session_id, agent, owner, create, token).await;
+                    drop(polling);
+                    match leased {
                         Ok(Some(lease)) => return Ok(lease),
                         Ok(None) if handover.pause().await => {}
                         Ok(None) => return Err(StoreError::Busy),
