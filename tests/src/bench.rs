@@ -25,16 +25,42 @@ impl Drop for Killed {
 /// which at a thousand queries a row moved one hook's share by up to 20 µs.
 /// A thread that has exited keeps the time last read for it.
 pub fn cpu(pid: u32) -> Duration {
-    static SEEN: Mutex<BTreeMap<(u32, u32), u64>> = Mutex::new(BTreeMap::new());
+    Duration::from_nanos(schedstat(pid, 0))
+}
+
+/// The times a process's threads were switched in so far: each time one
+/// of them went back to work after a sleep or a preemption.
+pub fn switches(pid: u32) -> u64 {
+    schedstat(pid, 2)
+}
+
+/// Field `field` of `/proc/PID/task/TID/schedstat`, summed over the
+/// process's threads (those that have exited keep the value last read).
+fn schedstat(pid: u32, field: usize) -> u64 {
+    static SEEN: Mutex<BTreeMap<(u32, u32, usize), u64>> = Mutex::new(BTreeMap::new());
     let mut seen = SEEN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
         let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
             continue;
         };
         let schedstat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
-        if let Some(ns) = schedstat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) {
-            seen.insert((pid, tid), ns);
+        if let Some(value) = schedstat.split_whitespace().nth(field).and_then(|v| v.parse::<u64>().ok()) {
+            seen.insert((pid, tid, field), value);
         }
     }
-    Duration::from_nanos(seen.range((pid, 0)..=(pid, u32::MAX)).map(|(_, ns)| ns).sum())
+    seen.iter().filter(|((p, _, f), _)| *p == pid && *f == field).map(|(_, value)| value).sum()
+}
+
+/// A process's CPU time so far in user space and in the kernel, in clock
+/// ticks (`/proc/PID/stat`: coarse, for shares over many ticks).
+pub fn ticks(pid: u32) -> (u64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command's closing parenthesis; utime and stime
+    // are the 14th and 15th of the line.
+    let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<u64> = rest.split_whitespace().skip(11).take(2).filter_map(|v| v.parse().ok()).collect();
+    match fields[..] {
+        [user, system] => (user, system),
+        _ => (0, 0),
+    }
 }

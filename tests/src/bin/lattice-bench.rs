@@ -21,7 +21,7 @@
 //! cluster (see `lattice_tests::postgres`).
 //!
 //! `cargo build --release -p lattice-server --bin lattice -p lattice-tests --bin lattice-bench`, then
-//! `target/release/lattice-bench [QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores] [--stores postgres+keep,…]`
+//! `target/release/lattice-bench [QUERIES] [--only hooks,long,providers,stores,commits,pages] [--split-cores] [--stores postgres+keep,…] [--busy-poll-us N]`
 //!
 //! `--stores` runs only the session store rows named (and the memory
 //! store's, which the others are measured against): to profile one.
@@ -30,6 +30,9 @@
 //! clients) and Lattice on core 0 and PostgreSQL's processes on core 1, as with
 //! the database on machines of its own: the memory store's rows then have
 //! one core too.
+//!
+//! `--busy-poll-us N` runs every session store row's Lattice (the memory
+//! store's too) with `server.busy_poll_us = N`.
 
 use std::{
     sync::Arc,
@@ -43,7 +46,7 @@ use lattice_server::{
 };
 use lattice_tests::{
     Lattice, QueryOpts,
-    bench::cpu,
+    bench::{cpu, switches, ticks},
     cfg,
     fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnResult},
@@ -98,7 +101,8 @@ async fn main() {
     }
     if section("stores") {
         let rows = args.iter().position(|a| a == "--stores").and_then(|i| args.get(i + 1)).cloned();
-        stores(queries, args.iter().any(|a| a == "--split-cores"), rows.as_deref()).await;
+        let busy_poll_us = args.iter().position(|a| a == "--busy-poll-us").and_then(|i| args.get(i + 1)).cloned();
+        stores(queries, args.iter().any(|a| a == "--split-cores"), rows.as_deref(), busy_poll_us.as_deref()).await;
     }
     if section("commits") {
         commits().await;
@@ -287,7 +291,7 @@ async fn session_growth(
 
 /// Query latency and throughput by session store and concurrency: each
 /// client continues a session of its own.
-async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
+async fn stores(queries: usize, split_cores: bool, rows: Option<&str>, busy_poll_us: Option<&str>) {
     let beside = std::env::current_exe().map(|exe| exe.with_file_name("lattice"));
     assert!(
         beside.is_ok_and(|p| p.exists()),
@@ -350,8 +354,12 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         };
         // As deployed: a process of its own, one runtime thread, its
         // default logging; no trace: what is measured is the store.
-        let config =
-            "[server]\nworker_threads = 1\n".to_owned() + sessions + &cfg::agent("a", "") + &cfg::turn("ok", &[]);
+        let poll = busy_poll_us.map(|us| format!("busy_poll_us = {us}\n")).unwrap_or_default();
+        let config = "[server]\nworker_threads = 1\n".to_owned()
+            + &poll
+            + sessions
+            + &cfg::agent("a", "")
+            + &cfg::turn("ok", &[]);
         let lattice = Arc::new(Lattice::spawn_untraced(&config, &[("BENCH_PG", url)]).await);
         let Some(memory) = &memory else {
             // The memory store: the reference, kept running to be measured
@@ -420,12 +428,19 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>) {
         // At 16 clients the row is bound by the cores: with its clients and
         // PostgreSQL on machines of their own, what Lattice spends per query
         // is what bounds it, so its share is reported apart from theirs.
+        let in_kernel =
+            |r: &Row| 100.0 * r.lattice_ticks.1 as f64 / (r.lattice_ticks.0 + r.lattice_ticks.1).max(1) as f64;
         println!(
-            "{store}: CPU per query at 16 clients: Lattice {:.0?} (memory store {:.0?}), its clients {:.0?} ({:.0?}), \
+            "{store}: CPU per query at 16 clients: Lattice {:.0?} (memory store {:.0?}), {:.0} % of it in the kernel \
+             ({:.0} %), its thread switched in {:.2} times a query ({:.2}); its clients {:.0?} ({:.0?}), \
              PostgreSQL {:.0?}; with the clients and the database on machines of their own, an estimate: {:.0} % of \
              memory's",
             sixteen.lattice,
             memory_sixteen.lattice,
+            in_kernel(&sixteen),
+            in_kernel(&memory_sixteen),
+            sixteen.lattice_switches,
+            memory_sixteen.lattice_switches,
             sixteen.clients,
             memory_sixteen.clients,
             sixteen.database,
@@ -457,6 +472,10 @@ struct Row {
     lattice: Duration,
     clients: Duration,
     database: Duration,
+    /// Lattice's threads switched in, per query.
+    lattice_switches: f64,
+    /// Lattice's CPU time in clock ticks, in user space and in the kernel.
+    lattice_ticks: (u64, u64),
     per_statement: Option<f64>,
 }
 
@@ -471,11 +490,23 @@ impl Row {
                 / u32::try_from(n).unwrap_or(u32::MAX)
         };
         let (lattice, clients, database) = (mean(|r| r.lattice), mean(|r| r.clients), mean(|r| r.database));
+        let lattice_switches = rows.iter().map(|r| r.lattice_switches * r.times.len() as f64).sum::<f64>() / n as f64;
+        let lattice_ticks = rows.iter().fold((0, 0), |(u, s), r| (u + r.lattice_ticks.0, s + r.lattice_ticks.1));
         let statements: Vec<f64> = rows.iter().filter_map(|r| r.per_statement).collect();
         let per_statement = (!statements.is_empty()).then(|| statements.iter().sum::<f64>() / statements.len() as f64);
         let mut times: Vec<Duration> = rows.into_iter().flat_map(|r| r.times).collect();
         times.sort();
-        Row { p50: percentile(&times, 0.5), rate: n as f64 / took, times, lattice, clients, database, per_statement }
+        Row {
+            p50: percentile(&times, 0.5),
+            rate: n as f64 / took,
+            times,
+            lattice,
+            clients,
+            database,
+            lattice_switches,
+            lattice_ticks,
+            per_statement,
+        }
     }
 
     fn print(&self, store: &str, clients: usize, per_client: usize) {
@@ -497,6 +528,7 @@ async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> R
     let statements_before = commit_statements(lattice).await;
     let all = Instant::now();
     let cpu_before = (cpu(served), cpu(std::process::id()), postgres_cpu());
+    let (switches_before, ticks_before) = (switches(served), ticks(served));
     let mut tasks = Vec::new();
     for _ in 0..clients {
         let lattice = lattice.clone();
@@ -529,6 +561,9 @@ async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> R
     let lattice_cpu = cpu(served).saturating_sub(cpu_before.0) / n;
     let clients = cpu(std::process::id()).saturating_sub(cpu_before.1) / n;
     let database = postgres_cpu().saturating_sub(cpu_before.2) / n;
+    let lattice_switches = switches(served).saturating_sub(switches_before) as f64 / f64::from(n);
+    let (user, system) = ticks(served);
+    let lattice_ticks = (user.saturating_sub(ticks_before.0), system.saturating_sub(ticks_before.1));
     times.sort();
     let per_statement = match (statements_before, commit_statements(lattice).await) {
         (Some(before), Some(after)) if after.1 > before.1 => Some((after.0 - before.0) / (after.1 - before.1)),
@@ -541,6 +576,8 @@ async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> R
         lattice: lattice_cpu,
         clients,
         database,
+        lattice_switches,
+        lattice_ticks,
         per_statement,
     }
 }
