@@ -235,9 +235,7 @@ async fn concurrent_queries_share_a_replicas_pipelined_connections() {
             std::iter::once(format!("c{c} open")).chain((0..5).map(|q| format!("c{c} q{q}"))).collect();
         assert_eq!(prompts, expected, "session {c}");
     }
-    let (admin, connection) =
-        tokio_postgres::connect(&cluster.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let admin = connect(&cluster.admin_url("postgres")).await;
     let row = admin
         .query_one(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = 'lattice'",
@@ -403,8 +401,7 @@ async fn a_lost_lease_writes_nothing() {
     store.acquire("s", "a", true).await.unwrap().commit(vec![Message::user_text("kept")]).await.unwrap();
 
     let lease = store.acquire("s", "a", false).await.unwrap();
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let client = connect(&url).await;
     client.execute("UPDATE lattice_sessions SET lease_token = gen_random_uuid() WHERE id = 's'", &[]).await.unwrap();
     tokio::time::timeout(Duration::from_secs(3), lease.lost()).await.expect("the holder learns it lost the lease");
     assert_eq!(lease.commit(vec![Message::user_text("lost")]).await.unwrap_err(), StoreError::LeaseLost);
@@ -426,8 +423,7 @@ async fn a_lease_taken_while_a_commit_lands_reads_that_commits_messages() {
 
     // A commit in flight: the second message and the bumped count, written
     // but not yet committed, holding the session row's lock.
-    let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let mut client = connect(&url).await;
     let commit = client.transaction().await.unwrap();
     let late = serde_json::to_string(&Message::user_text("late")).unwrap();
     commit
@@ -552,8 +548,7 @@ async fn a_store_reads_only_the_page_asked_for() {
 
     // A stored message past the page that no longer parses: the page
     // before it reads, the whole conversation does not.
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let client = connect(&url).await;
     client
         .execute("UPDATE lattice_messages SET message = 'not json' WHERE session_id = 's' AND seq = 5", &[])
         .await
@@ -614,8 +609,7 @@ async fn a_replica_reads_only_the_messages_committed_since_it_knew_the_conversat
 
     // The first message can no longer be read from the database: only a
     // replica that reads it again fails.
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let client = connect(&url).await;
     let spoil = "UPDATE lattice_messages SET message = 'not json' WHERE session_id = 's' AND seq = 0";
     client.execute(spoil, &[]).await.unwrap();
     let lease = a.acquire("s", "a", false).await.unwrap();
@@ -695,8 +689,7 @@ async fn session_row_updates_stay_on_their_page_and_idle_sessions_are_swept() {
         let lease = store.acquire("busy", "a", false).await.unwrap();
         lease.commit(vec![Message::user_text(i.to_string())]).await.unwrap();
     }
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let client = connect(&url).await;
     // The server publishes its counters within seconds.
     let stats = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'lattice_sessions'";
     let started = Instant::now();
@@ -747,8 +740,7 @@ async fn keep_lease_ms_is_refused_where_it_cannot_work() {
 /// PostgreSQL's statistics stop moving (a server process sends its own
 /// when it ends, else up to 10 s late).
 async fn session_row_updates(url: &str) -> i64 {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let client = connect(url).await;
     let (mut last, mut since) = (-1, Instant::now());
     let give_up = Instant::now() + Duration::from_secs(15);
     loop {

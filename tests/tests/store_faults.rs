@@ -15,7 +15,7 @@ use std::{
 
 use lattice_tests::{
     Lattice, QueryOpts, canary, cfg, message_text,
-    postgres::{Cluster, PgBouncer},
+    postgres::{Cluster, PgBouncer, connect},
     reset_proxy::ResetProxy,
     temp_dir,
     tls::TestCa,
@@ -520,8 +520,7 @@ async fn the_schema_is_migrated_by_command_and_a_newer_one_is_refused() {
     drop(lattice);
 
     // A newer Lattice migrated it further.
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(connection);
+    let client = connect(&url).await;
     client.batch_execute("INSERT INTO lattice_migrations (version) VALUES (99)").await.unwrap();
     for keys in ["on_unreachable = \"exit\"", "migrate = \"never\"\non_unreachable = \"exit\""] {
         let (ok, said) = serve_until_exit(&config(0, keys), &url).await;
