@@ -41,7 +41,7 @@ pub struct Poller {
     in_flight: AtomicUsize,
     sent: Notify,
     /// Turns the poller has taken (`lattice_busy_poll_turns_total`).
-    polls: Arc<AtomicUsize>,
+    turns: Arc<AtomicUsize>,
 }
 
 /// The agent runtime's busy poller (see the module docs): it polls while
@@ -96,7 +96,7 @@ impl Poller {
             self.sent.notified().await;
             let until = Instant::now() + budget;
             while self.in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < until {
-                self.polls.fetch_add(1, Ordering::Relaxed);
+                self.turns.fetch_add(1, Ordering::Relaxed);
                 tokio::task::yield_now().await;
                 // The core goes to any other thread ready to run on it
                 // first (see the module docs).
@@ -107,12 +107,12 @@ impl Poller {
 
     /// The turns taken so far, as the metric reads them.
     pub fn turns(&self) -> Arc<AtomicUsize> {
-        self.polls.clone()
+        self.turns.clone()
     }
 
     #[cfg(test)]
     fn polls(&self) -> usize {
-        self.polls.load(Ordering::Relaxed)
+        self.turns.load(Ordering::Relaxed)
     }
 }
 
