@@ -7,11 +7,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use tokio_postgres::types::Type;
+
 use super::{
     PostgresStore,
     commit::{Commit, Sent},
     conn::bounded,
-    kept,
+    db, kept,
 };
 use crate::{
     domain::Message,
@@ -184,5 +186,56 @@ impl LeaseHolder for PgLease {
             })
             .await
         })
+    }
+}
+
+impl PostgresStore {
+    /// Gives back the lease `token` of session `id`, by token: from then on
+    /// no commit in flight under it can land. Deletes the session instead
+    /// when its first query `created` it (a failed query leaves nothing).
+    /// Ok(true): given back here; Ok(false): the token was no longer there
+    /// (committed, expired or taken over).
+    pub(super) async fn give_back(&self, id: &str, token: uuid::Uuid, created: bool) -> Result<bool, StoreError> {
+        if let Some(kept) = &self.kept {
+            kept.forget(id, token);
+        }
+        let client = self.query_conn("release").await?;
+        let sql = if created {
+            "DELETE FROM lattice_sessions WHERE id = $1 AND lease_token = $2 AND message_count = 0"
+        } else {
+            "UPDATE lattice_sessions SET lease_token = NULL, lease_expires = NULL, lease_kept = false,
+                 lease_wanted = false
+             WHERE id = $1 AND lease_token = $2"
+        };
+        let n = client.exec(sql, &[(&id, Type::TEXT), (&token, Type::UUID)]).await.map_err(db("release"))?;
+        if created && let Some(cache) = &self.cache {
+            cache.forget(id);
+        }
+        Ok(n == 1)
+    }
+
+    /// [`PostgresStore::give_back`] in a task of its own, within the
+    /// store's timeout (whoever waits for it may stop waiting).
+    pub(super) fn give_back_later(&self, id: String, token: uuid::Uuid, created: bool) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let until = store.soon();
+            let _ =
+                bounded(until, "release", StoreError::Unavailable("postgres"), store.give_back(&id, token, created))
+                    .await;
+        })
+    }
+
+    /// Whether the commit made under `token` is the session's last.
+    async fn landed(&self, id: &str, token: uuid::Uuid) -> Result<bool, StoreError> {
+        let client = self.query_conn("read back").await?;
+        let row = client
+            .maybe_row(
+                "SELECT last_commit = $2 FROM lattice_sessions WHERE id = $1",
+                &[(&id, Type::TEXT), (&token, Type::UUID)],
+            )
+            .await
+            .map_err(db("read back"))?;
+        Ok(row.and_then(|r| r.try_get::<_, Option<bool>>(0).ok().flatten()).unwrap_or(false))
     }
 }

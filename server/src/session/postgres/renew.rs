@@ -3,9 +3,11 @@
 use std::{future::Future, time::Duration};
 
 use tokio::{sync::watch, time::Instant};
+use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use super::{PostgresStore, db};
 use crate::session::StoreError;
 
 /// Renews a lease of `ttl`, known held until `held_until`, every third of
@@ -61,6 +63,36 @@ pub async fn keep_alive<F, Fut>(
             Ok(Err(_)) | Err(_) => {}
         }
         next = started + every;
+    }
+}
+
+impl PostgresStore {
+    /// Renews a lease while its query runs (see [`keep_alive`]).
+    /// The lease is known held until `held_until`.
+    pub(super) fn renew(
+        &self,
+        id: String,
+        token: uuid::Uuid,
+        held_until: Instant,
+        lost: watch::Sender<bool>,
+        done: CancellationToken,
+    ) {
+        let store = self.clone();
+        let attempt = move || {
+            let (store, id) = (store.clone(), id.clone());
+            async move {
+                let client = store.query_conn("renew").await?;
+                client
+                    .exec(
+                        "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
+                         WHERE id = $1 AND lease_token = $2",
+                        &[(&id, Type::TEXT), (&token, Type::UUID), (&store.ttl_ms(), Type::FLOAT8)],
+                    )
+                    .await
+                    .map_err(db("renew"))
+            }
+        };
+        tokio::spawn(keep_alive(self.lease_ttl, self.timeout, held_until, attempt, lost, done));
     }
 }
 
