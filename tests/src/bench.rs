@@ -48,7 +48,10 @@ fn schedstat(pid: u32, field: usize) -> u64 {
             seen.insert((pid, tid, field), value);
         }
     }
-    seen.iter().filter(|((p, _, f), _)| *p == pid && *f == field).map(|(_, value)| value).sum()
+    seen.range((pid, 0, 0)..=(pid, u32::MAX, usize::MAX))
+        .filter(|((_, _, f), _)| *f == field)
+        .map(|(_, value)| value)
+        .sum()
 }
 
 /// A process's CPU time so far in user space and in the kernel, in clock

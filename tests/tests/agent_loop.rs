@@ -841,11 +841,8 @@ async fn busy_polling_serves_calls_and_sleeps_when_idle() {
     let pid = lattice.pid().expect("a spawned process");
     // utime + stime, in clock ticks (100 a second).
     let cpu_ticks = || {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        // After the command come the state (the line's 3rd field) … utime
-        // and stime (its 14th and 15th).
-        let fields: Vec<&str> = stat.rsplit(") ").next().unwrap().split(' ').collect();
-        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+        let (user, system) = lattice_tests::bench::ticks(pid);
+        user + system
     };
     let turns = || async { lattice_tests::sample(&lattice.metrics().await, "lattice_busy_poll_turns_total") };
     let turned = turns().await.expect("lattice_busy_poll_turns_total");
