@@ -410,6 +410,33 @@ async fn a_lost_lease_writes_nothing() {
     assert_eq!(store.get("s").await.unwrap().messages, vec![Message::user_text("kept")]);
 }
 
+/// The leases of running queries are renewed (one task renews them all):
+/// two held for over three times the lease's time to live are never
+/// declared lost, stay unexpired in the database, and commit.
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_held_past_their_time_to_live_are_renewed() {
+    use lattice_server::{domain::Message, session::SessionStore};
+    let url = Cluster::shared().await.database().await;
+    let store = replica_store(&url, Duration::from_millis(600), 1 << 20);
+    store.migrate().await.unwrap();
+    let (a, b) = (store.acquire("a", "a", true).await.unwrap(), store.acquire("b", "a", true).await.unwrap());
+    tokio::select! {
+        () = a.lost() => panic!("a's lease was declared lost"),
+        () = b.lost() => panic!("b's lease was declared lost"),
+        () = tokio::time::sleep(Duration::from_secs(2)) => {}
+    }
+    let client = connect(&url).await;
+    let held: i64 = client
+        .query_one("SELECT count(*) FROM lattice_sessions WHERE lease_expires > now() AND id IN ('a', 'b')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(held, 2, "a lease expired in the database");
+    a.commit(vec![Message::user_text("a")]).await.unwrap();
+    b.commit(vec![Message::user_text("b")]).await.unwrap();
+    assert_eq!(store.get("b").await.unwrap().messages, vec![Message::user_text("b")]);
+}
+
 /// A lease taken while the previous query's commit lands (its statement
 /// waits for that commit's row lock) reads the conversation with that
 /// commit's messages: the history and the count it continues from agree.

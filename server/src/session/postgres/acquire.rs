@@ -139,12 +139,10 @@ impl PostgresStore {
             (StoredSession { agent, messages }, version, born)
         };
         let count = session.messages.len();
-        let (lost_tx, lost) = watch::channel(false);
-        let done = CancellationToken::new();
-        self.renew(session_id.to_owned(), token, sent + self.lease_ttl, lost_tx, done.clone());
+        let (renewal, lost) = self.renew(session_id, token, sent + self.lease_ttl);
         let held =
             kept::Held { token, version, count, born, agent: session.agent.clone(), owner: owner.map(str::to_owned) };
-        let holder = PgLease { store: self.clone(), id: session_id.to_owned(), held, created: create, done };
+        let holder = PgLease { store: self.clone(), id: session_id.to_owned(), held, created: create, renewal };
         Ok(Some(Lease::new(session, create, Arc::new(holder), lost)))
     }
 
@@ -194,11 +192,10 @@ impl PostgresStore {
                 }
             }
         };
-        let (lost_tx, lost) = watch::channel(false);
-        let done = CancellationToken::new();
-        self.renew(session_id.to_owned(), entry.held.token, entry.held_until, lost_tx, done.clone());
+        let (renewal, lost) = self.renew(session_id, entry.held.token, entry.held_until);
         let session = StoredSession { agent: entry.held.agent.clone(), messages };
-        let holder = PgLease { store: self.clone(), id: session_id.to_owned(), held: entry.held, created: false, done };
+        let holder =
+            PgLease { store: self.clone(), id: session_id.to_owned(), held: entry.held, created: false, renewal };
         Ok(Lease::new(session, false, Arc::new(holder), lost))
     }
 

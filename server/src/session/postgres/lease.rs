@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use tokio_postgres::types::Type;
@@ -29,8 +28,8 @@ pub(super) struct PgLease {
     /// needs to keep it.
     pub(super) held: kept::Held,
     pub(super) created: bool,
-    /// Stops the renewer.
-    pub(super) done: CancellationToken,
+    /// Its place in the renewer.
+    pub(super) renewal: super::renew::Renewal,
 }
 
 impl PgLease {
@@ -97,7 +96,7 @@ const SETTLE_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
 impl LeaseHolder for PgLease {
     fn commit(&self, appended: Vec<Message>, deadline: Option<Instant>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            self.done.cancel();
+            self.renewal.end();
             let until = deadline.unwrap_or_else(|| self.store.soon());
             let rows: Vec<String> = appended
                 .iter()
@@ -178,7 +177,7 @@ impl LeaseHolder for PgLease {
     }
 
     fn release(self: Arc<Self>) -> StoreFuture<'static, ()> {
-        self.done.cancel();
+        self.renewal.end();
         Box::pin(async move {
             let until = self.store.soon();
             bounded(until, "release", StoreError::Unavailable("postgres"), async {

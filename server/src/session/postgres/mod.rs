@@ -73,9 +73,8 @@ use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
 use pool::Pool;
 pub use schema::{SchemaError, VERSION as SCHEMA_VERSION};
-use tokio::{sync::watch, time::Instant};
+use tokio::time::Instant;
 use tokio_postgres::types::Type;
-use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::{Lease, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache};
@@ -118,6 +117,8 @@ pub struct PostgresStore {
     keeper: Arc<keeper::Keeper>,
     /// Commits waiting for their statement, grouped (see `group`).
     group: Arc<group::Group>,
+    /// Renews the leases of running queries (see `renew`).
+    renewer: Arc<renew::Renewer>,
     /// The runtime's busy poller (`server.busy_poll_us`), which a query's
     /// statement on its way keeps polling.
     poller: Option<Arc<crate::busy_poll::Poller>>,
@@ -215,6 +216,7 @@ impl PostgresStore {
             handovers: Arc::default(),
             keeper: Arc::default(),
             group: Arc::default(),
+            renewer: Arc::new(renew::Renewer::new(lease_ttl, timeout)),
             poller: None,
         })
     }

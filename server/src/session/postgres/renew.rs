@@ -1,127 +1,273 @@
-//! Keeping a lease alive while its query runs.
+//! Keeping the leases of running queries alive: one task renews every
+//! lease this replica's queries hold, each a third of the way through its
+//! time to live, those due at once in one statement.
+//!
+//! A query registers its lease when it takes it ([`Renewer::hold`]) and
+//! leaves when its commit starts or its lease is released (the
+//! [`Renewal`]'s end or drop): two steps on a map, where a task and a timer
+//! of its own per query cost more than the rest of the store's work. Most
+//! queries end long before their first renewal is due, and the task then
+//! has nothing to do.
+//!
+//! A lease is known held until `ttl` after the start of the last statement
+//! that renewed it. A renewal is given at most the store's timeout, and the
+//! task watches each lease's expiry apart from the statements on their way:
+//! a database that stops answering mid-renewal cannot keep a query running
+//! on a lease that has expired (and that another replica may have taken).
+//! At that moment the lease is lost, as it is at once when another holder
+//! took it over.
 
-use std::{future::Future, time::Duration};
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
-use tokio::{sync::watch, time::Instant};
+use tokio::{
+    sync::{Notify, watch},
+    time::Instant,
+};
 use tokio_postgres::types::Type;
-use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use super::{PostgresStore, db};
-use crate::session::StoreError;
+use super::{Param, PostgresStore, db};
+use crate::{session::StoreError, sync::lock};
 
-/// Renews a lease of `ttl`, known held until `held_until`, every third of
-/// it with `attempt` (the rows it renewed: 1, or 0 once another holder
-/// took the lease), until `done`. The first attempt comes a third of the
-/// lease after it was last set (at once, if that is past).
-///
-/// The lease is known held until `ttl` after the start of the last attempt
-/// that renewed it. An attempt is given at most `timeout`, and never past
-/// that moment: a database that stops answering mid-attempt cannot keep
-/// the query running on a lease that has expired (and that another replica
-/// may have taken). At that moment `lost` turns true, as it does at once
-/// when the lease was taken over.
-pub async fn keep_alive<F, Fut>(
+/// The leases of the replica's running queries, and the task's next wake.
+#[derive(Debug)]
+pub(super) struct Renewer {
+    state: Mutex<State>,
+    /// Wakes the task early: a lease due before it would wake, or a
+    /// renewal's answer.
+    wake: Notify,
     ttl: Duration,
     timeout: Duration,
-    mut held_until: Instant,
-    mut attempt: F,
+    started: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// By lease token.
+    leases: HashMap<uuid::Uuid, Running>,
+    /// When the task wakes next, if it sleeps.
+    wakes_at: Option<Instant>,
+}
+
+/// A running query's lease.
+#[derive(Debug)]
+struct Running {
+    id: String,
+    /// Known held until then.
+    held_until: Instant,
+    /// When the next renewal is due.
+    due: Instant,
+    /// Whether a renewal is on its way.
+    trying: bool,
     lost: watch::Sender<bool>,
-    done: CancellationToken,
-) where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<u64, StoreError>>,
-{
-    let every = ttl / 3;
-    let mut next = held_until.checked_sub(ttl - every).unwrap_or_else(Instant::now);
-    loop {
-        tokio::select! {
-            () = done.cancelled() => return,
-            () = tokio::time::sleep_until(next.min(held_until)) => {}
+}
+
+/// A lease's place in the renewer: it is renewed until this ends or is
+/// dropped.
+#[derive(Debug)]
+pub(super) struct Renewal {
+    renewer: Arc<Renewer>,
+    token: uuid::Uuid,
+}
+
+impl Renewal {
+    /// The lease is no longer renewed.
+    pub(super) fn end(&self) {
+        lock(&self.renewer.state).leases.remove(&self.token);
+    }
+}
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// The leases of one renewal statement: (session, token).
+pub(super) type Batch = Vec<(String, uuid::Uuid)>;
+
+impl Renewer {
+    pub(super) fn new(ttl: Duration, timeout: Duration) -> Self {
+        Self { state: Mutex::default(), wake: Notify::new(), ttl, timeout, started: Default::default() }
+    }
+
+    /// Renews the lease `token` of session `id`, known held until
+    /// `held_until`: first a third of the lease after it was last set (at
+    /// once, if that is past). The receiver turns true if it is lost.
+    pub(super) fn hold(
+        self: &Arc<Self>,
+        id: &str,
+        token: uuid::Uuid,
+        held_until: Instant,
+    ) -> (Renewal, watch::Receiver<bool>) {
+        let (lost, rx) = watch::channel(false);
+        let due = held_until.checked_sub(self.ttl - self.ttl / 3).unwrap_or_else(Instant::now);
+        let mut state = lock(&self.state);
+        state.leases.insert(token, Running { id: id.to_owned(), held_until, due, trying: false, lost });
+        if state.wakes_at.is_none_or(|at| due < at) {
+            state.wakes_at = Some(due);
+            self.wake.notify_one();
         }
-        let started = Instant::now();
-        if started >= held_until {
-            warn!("the session's lease expired: the database did not renew it in time");
-            let _ = lost.send(true);
-            return;
-        }
-        let until = (started + timeout).min(held_until);
-        let renewed = tokio::select! {
-            () = done.cancelled() => return,
-            r = tokio::time::timeout_at(until, attempt()) => r,
-        };
-        match renewed {
-            Ok(Ok(1)) => held_until = started + ttl,
-            Ok(Ok(_)) => {
-                warn!("the session's lease was taken over");
-                let _ = lost.send(true);
-                return;
+        drop(state);
+        (Renewal { renewer: self.clone(), token }, rx)
+    }
+
+    /// Whether the task is to be started (the first time only).
+    fn start(&self) -> bool {
+        !self.started.swap(true, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The task: renews the leases due with `attempt` (which answers the
+    /// tokens it renewed), and declares lost those past their expiry.
+    pub(super) async fn run<F, Fut>(self: Arc<Self>, attempt: F)
+    where
+        F: Fn(Batch) -> Fut,
+        Fut: Future<Output = Result<Vec<uuid::Uuid>, StoreError>> + Send + 'static,
+    {
+        loop {
+            let now = Instant::now();
+            let (batch, wake) = self.scan(now);
+            if !batch.is_empty() {
+                let tokens: Vec<uuid::Uuid> = batch.iter().map(|(_, t)| *t).collect();
+                let renewal = tokio::time::timeout_at(now + self.timeout, attempt(batch));
+                let renewer = self.clone();
+                tokio::spawn(async move {
+                    let renewed = renewal.await.unwrap_or(Err(StoreError::Unavailable("postgres")));
+                    renewer.answered(&tokens, now, renewed);
+                });
             }
-            // The database is away or slow: the lease holds until it
-            // expires; the next attempt comes a third of the lease later,
-            // or at once when this one used that time up.
-            Ok(Err(_)) | Err(_) => {}
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                () = self.wake.notified() => {}
+            }
         }
-        next = started + every;
+    }
+
+    /// At `now`: declares lost the leases past their expiry, takes those
+    /// due for a renewal, and says when to wake next (at the next expiry
+    /// or renewal due, or a third of a lease from now).
+    fn scan(&self, now: Instant) -> (Batch, Instant) {
+        let every = self.ttl / 3;
+        let mut state = lock(&self.state);
+        let mut batch = Vec::new();
+        let mut wake = now + every;
+        state.leases.retain(|token, run| {
+            if now >= run.held_until {
+                warn!("the session's lease expired: the database did not renew it in time");
+                let _ = run.lost.send(true);
+                return false;
+            }
+            if !run.trying && now >= run.due {
+                run.trying = true;
+                batch.push((run.id.clone(), *token));
+            }
+            wake = wake.min(run.held_until);
+            if !run.trying {
+                wake = wake.min(run.due);
+            }
+            true
+        });
+        state.wakes_at = Some(wake);
+        (batch, wake)
+    }
+
+    /// A renewal of `tokens`, started at `started`, answered `renewed`:
+    /// those renewed are held for a lease from its start; those it did not
+    /// find were taken over; after a failure (the database away or slow)
+    /// each holds until its expiry, and is tried again a third of a lease
+    /// after this try started (at once, if this one used that time up).
+    fn answered(&self, tokens: &[uuid::Uuid], started: Instant, renewed: Result<Vec<uuid::Uuid>, StoreError>) {
+        let mut state = lock(&self.state);
+        for token in tokens {
+            let Some(run) = state.leases.get_mut(token) else { continue };
+            run.trying = false;
+            run.due = started + self.ttl / 3;
+            match &renewed {
+                Ok(renewed) if renewed.contains(token) => run.held_until = run.held_until.max(started + self.ttl),
+                Ok(_) => {
+                    warn!("the session's lease was taken over");
+                    let _ = run.lost.send(true);
+                    state.leases.remove(token);
+                }
+                Err(_) => {}
+            }
+        }
+        drop(state);
+        self.wake.notify_one();
     }
 }
 
 impl PostgresStore {
-    /// Renews a lease while its query runs (see [`keep_alive`]).
-    /// The lease is known held until `held_until`.
-    pub(super) fn renew(
-        &self,
-        id: String,
-        token: uuid::Uuid,
-        held_until: Instant,
-        lost: watch::Sender<bool>,
-        done: CancellationToken,
-    ) {
-        let store = self.clone();
-        let attempt = move || {
-            let (store, id) = (store.clone(), id.clone());
-            async move {
-                let client = store.query_conn("renew").await?;
-                client
-                    .exec(
-                        "UPDATE lattice_sessions SET lease_expires = now() + $3 * interval '1 millisecond'
-                         WHERE id = $1 AND lease_token = $2",
-                        &[(&id, Type::TEXT), (&token, Type::UUID), (&store.ttl_ms(), Type::FLOAT8)],
-                    )
-                    .await
-                    .map_err(db("renew"))
-            }
-        };
-        tokio::spawn(keep_alive(self.lease_ttl, self.timeout, held_until, attempt, lost, done));
+    /// Renews the lease `token` of session `id`, known held until
+    /// `held_until`, while its query runs (see [`Renewer`]).
+    pub(super) fn renew(&self, id: &str, token: uuid::Uuid, held_until: Instant) -> (Renewal, watch::Receiver<bool>) {
+        if self.renewer.start() {
+            let store = self.clone();
+            tokio::spawn(self.renewer.clone().run(move |batch| {
+                let store = store.clone();
+                async move { store.renew_running(batch).await }
+            }));
+        }
+        self.renewer.hold(id, token, held_until)
+    }
+
+    /// Renews the leases `batch`: the tokens renewed.
+    async fn renew_running(&self, batch: Batch) -> Result<Vec<uuid::Uuid>, StoreError> {
+        let (ids, tokens): (Vec<String>, Vec<uuid::Uuid>) = batch.into_iter().unzip();
+        let client = self.query_conn("renew").await?;
+        let params: [Param<'_>; 3] =
+            [(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY), (&self.ttl_ms(), Type::FLOAT8)];
+        let rows = client
+            .rows(
+                "UPDATE lattice_sessions s SET lease_expires = now() + $3 * interval '1 millisecond'
+                 FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
+                 WHERE s.id = h.id AND s.lease_token = h.token
+                 RETURNING s.lease_token",
+                &params,
+            )
+            .await
+            .map_err(db("renew"))?;
+        rows.iter().map(|r| r.try_get(0).map_err(db("renew"))).collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    };
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
 
     const TTL: Duration = Duration::from_secs(15);
     const TIMEOUT: Duration = Duration::from_secs(5);
 
-    /// Runs `keep_alive` with `attempt`; returns when `lost` turned true
-    /// (after the start), or `None` if it did not within `within`.
-    async fn lost_after<F, Fut>(attempt: F, within: Duration) -> Option<Duration>
+    /// A renewer whose statements are `attempt`, running.
+    fn renewer<F, Fut>(attempt: F) -> Arc<Renewer>
     where
-        F: FnMut() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<u64, StoreError>> + Send + 'static,
+        F: Fn(Batch) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Vec<uuid::Uuid>, StoreError>> + Send + 'static,
     {
-        let (tx, mut rx) = watch::channel(false);
-        let done = CancellationToken::new();
+        let renewer = Arc::new(Renewer::new(TTL, TIMEOUT));
+        tokio::spawn(renewer.clone().run(attempt));
+        renewer
+    }
+
+    /// Holds a lease set just now on `renewer`; returns when it was lost
+    /// (after the start), or `None` if it was not within `within`.
+    async fn lost_after(renewer: &Arc<Renewer>, within: Duration) -> Option<Duration> {
         let start = Instant::now();
-        tokio::spawn(keep_alive(TTL, TIMEOUT, start + TTL, attempt, tx, done.clone()));
-        let lost = tokio::time::timeout(within, rx.wait_for(|l| *l)).await;
-        done.cancel();
+        let (_renewal, mut lost) = renewer.hold("s", uuid::Uuid::new_v4(), start + TTL);
+        let lost = tokio::time::timeout(within, lost.wait_for(|l| *l)).await;
         lost.ok().map(|_| start.elapsed())
+    }
+
+    /// Every token asked, renewed.
+    fn renew_all(batch: Batch) -> std::future::Ready<Result<Vec<uuid::Uuid>, StoreError>> {
+        std::future::ready(Ok(batch.into_iter().map(|(_, t)| t).collect()))
     }
 
     /// A database that takes the first renewal and then stops answering
@@ -131,33 +277,40 @@ mod tests {
     async fn a_hanging_renewal_loses_the_lease_when_it_expires() {
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
-        let attempt = move || {
+        let renewer = renewer(move |batch: Batch| {
             let n = seen.fetch_add(1, Ordering::SeqCst);
             async move {
-                if n == 0 {
-                    return Ok(1);
+                if n > 0 {
+                    std::future::pending::<()>().await;
                 }
-                std::future::pending::<()>().await;
-                Ok(1)
+                Ok(batch.into_iter().map(|(_, t)| t).collect())
             }
-        };
+        });
         // Renewed at 5 s (held until 20 s); the next attempts hang.
-        assert_eq!(lost_after(attempt, Duration::from_secs(60)).await, Some(Duration::from_secs(20)));
+        assert_eq!(lost_after(&renewer, Duration::from_secs(60)).await, Some(Duration::from_secs(20)));
         assert!(calls.load(Ordering::SeqCst) >= 2);
     }
 
-    /// Renewals that answer keep the lease for as long as the query runs.
+    /// Renewals that answer keep the lease for as long as the query runs,
+    /// one every third of the lease.
     #[tokio::test(start_paused = true)]
     async fn answered_renewals_keep_the_lease() {
-        assert_eq!(lost_after(|| async { Ok(1) }, Duration::from_secs(600)).await, None);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let renewer = renewer(move |batch| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            renew_all(batch)
+        });
+        assert_eq!(lost_after(&renewer, Duration::from_secs(600)).await, None);
+        assert!((119..=120).contains(&calls.load(Ordering::SeqCst)), "{calls:?}");
     }
 
     /// Failing renewals (a refused connection) lose it at its expiry, not
     /// before: a short outage costs no query.
     #[tokio::test(start_paused = true)]
     async fn failing_renewals_lose_the_lease_at_its_expiry() {
-        let attempt = || async { Err::<u64, _>(StoreError::Unavailable("postgres")) };
-        assert_eq!(lost_after(attempt, Duration::from_secs(60)).await, Some(TTL));
+        let renewer = renewer(|_| async { Err::<Vec<uuid::Uuid>, _>(StoreError::Unavailable("postgres")) });
+        assert_eq!(lost_after(&renewer, Duration::from_secs(60)).await, Some(TTL));
     }
 
     /// A lease kept from an earlier query, last set 8 s ago: renewed at
@@ -165,27 +318,74 @@ mod tests {
     /// at the expiry it had, 7 s from now, not a whole lease later.
     #[tokio::test(start_paused = true)]
     async fn a_kept_lease_is_renewed_at_once_and_lost_at_its_own_expiry() {
-        let (tx, mut rx) = watch::channel(false);
-        let done = CancellationToken::new();
-        let start = Instant::now();
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
-        let attempt = move || {
+        let renewer = renewer(move |_| {
             seen.fetch_add(1, Ordering::SeqCst);
-            std::future::pending::<Result<u64, StoreError>>()
-        };
-        tokio::spawn(keep_alive(TTL, TIMEOUT, start + TTL - Duration::from_secs(8), attempt, tx, done.clone()));
+            std::future::pending::<Result<Vec<uuid::Uuid>, StoreError>>()
+        });
+        // The task is idle, asleep for a third of a lease.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let start = Instant::now();
+        let (_renewal, mut lost) = renewer.hold("s", uuid::Uuid::new_v4(), start + TTL - Duration::from_secs(8));
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1, "the due renewal is tried at once");
-        let lost = tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|l| *l)).await;
+        let lost = tokio::time::timeout(Duration::from_secs(60), lost.wait_for(|l| *l)).await;
         assert!(matches!(lost, Ok(Ok(_))), "the lease was never declared lost");
         assert_eq!(start.elapsed(), Duration::from_secs(7));
-        done.cancel();
     }
 
     /// A lease another holder took is lost at once.
     #[tokio::test(start_paused = true)]
     async fn a_lease_taken_over_is_lost_at_the_first_renewal() {
-        assert_eq!(lost_after(|| async { Ok(0) }, Duration::from_secs(60)).await, Some(TTL / 3));
+        let renewer = renewer(|_| async { Ok(Vec::new()) });
+        assert_eq!(lost_after(&renewer, Duration::from_secs(60)).await, Some(TTL / 3));
+    }
+
+    /// Leases due together go in one statement; one whose query ended is
+    /// no longer renewed; one taken over is lost alone.
+    #[tokio::test(start_paused = true)]
+    async fn leases_due_together_share_a_statement() {
+        let asked = Arc::new(Mutex::new(Vec::<Batch>::new()));
+        let (seen, gone) = (asked.clone(), uuid::Uuid::new_v4());
+        let renewer = renewer(move |batch: Batch| {
+            lock(&seen).push(batch.clone());
+            std::future::ready(Ok(batch.into_iter().map(|(_, t)| t).filter(|t| *t != gone).collect()))
+        });
+        let now = Instant::now();
+        let (a, b) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        let (_a, lost_a) = renewer.hold("a", a, now + TTL);
+        let (ended, _) = renewer.hold("b", b, now + TTL);
+        let (_gone, lost_gone) = renewer.hold("c", gone, now + TTL);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        ended.end();
+        tokio::time::sleep(TTL / 3).await;
+        let batches = lock(&asked).clone();
+        assert_eq!(batches.len(), 1, "{batches:?}");
+        let mut ids: Vec<&str> = batches[0].iter().map(|(id, _)| id.as_str()).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, ["a", "c"]);
+        assert!(*lost_gone.borrow(), "the lease taken over is lost");
+        assert!(!*lost_a.borrow(), "the other one is held");
+    }
+
+    /// With no lease held, the task wakes once a third of a lease, and
+    /// a lease held meanwhile waits for its own time.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_renewer_does_no_renewal() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let renewer = renewer(move |batch| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            renew_all(batch)
+        });
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+        let (held, _) = renewer.hold("s", uuid::Uuid::new_v4(), Instant::now() + TTL);
+        tokio::time::sleep(TTL / 3 - Duration::from_millis(1)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "not due yet");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        drop(held);
     }
 }
