@@ -85,8 +85,25 @@ use crate::{
 };
 
 /// Sessions in PostgreSQL.
+///
+/// One allocation shared by its clones: a query's lease, its commit and
+/// the tasks they start each hold one, at the cost of one count.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+impl std::ops::Deref for PostgresStore {
+    type Target = Inner;
+
+    fn deref(&self) -> &Inner {
+        &self.inner
+    }
+}
+
+/// What a [`PostgresStore`] is made of.
+#[derive(Debug, Clone)]
+pub struct Inner {
     pool: Pool,
     lease_ttl: Duration,
     idle_ttl: Duration,
@@ -200,7 +217,7 @@ impl PostgresStore {
             .map_err(|e| format!("cannot build the connection pool: {e}"))?;
         let cache =
             (settings.history_cache_bytes > 0).then(|| Arc::new(HistoryCache::new(settings.history_cache_bytes)));
-        Ok(Self {
+        let inner = Inner {
             pool,
             lease_ttl,
             idle_ttl,
@@ -218,13 +235,14 @@ impl PostgresStore {
             group: Arc::default(),
             renewer: Arc::new(renew::Renewer::new(lease_ttl, timeout)),
             poller: None,
-        })
+        };
+        Ok(Self { inner: Arc::new(inner) })
     }
 
     /// Keeps `poller` polling while a query's statement (its lease, its
     /// history, its commit) is on its way (see [`crate::busy_poll`]).
     pub fn poll_with(mut self, poller: Option<Arc<crate::busy_poll::Poller>>) -> Self {
-        self.poller = poller;
+        Arc::make_mut(&mut self.inner).poller = poller;
         self
     }
 
