@@ -14,8 +14,8 @@
 //! [`POLL`] and gives the lease back, unless a query is using it, whose
 //! commit then releases instead of keeping. A kept lease unused for
 //! `keep_lease_ms` is given back, and every kept lease is given back when
-//! the replica shuts down. The keeper renews kept leases as a running
-//! query's renewer does; a replica that crashes leaves them to expire
+//! the replica shuts down. The keeper renews kept leases as the renewer
+//! does running queries'; a replica that crashes leaves them to expire
 //! after `lease_ttl_ms`, as it leaves the lease of a query it was running.
 
 use std::{
