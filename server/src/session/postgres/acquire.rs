@@ -173,10 +173,7 @@ impl PostgresStore {
                     let client = self.conn("read").await?;
                     Self::messages(&client, session_id, 0, count).await
                 };
-                let polling = self.polling();
-                let read = bounded(deadline, "read", StoreError::Deadline, read).await;
-                drop(polling);
-                match read {
+                match self.polled(bounded(deadline, "read", StoreError::Deadline, read)).await {
                     Ok(messages) => {
                         self.reads_whole.fetch_add(1, Ordering::Relaxed);
                         if let Some(cache) = &self.cache {

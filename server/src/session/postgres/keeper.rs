@@ -26,7 +26,7 @@ impl Keeper {
 }
 
 /// Session ids and lease tokens, as the statements' two arrays.
-fn columns(leases: &[(String, uuid::Uuid)]) -> (Vec<&str>, Vec<uuid::Uuid>) {
+pub(super) fn columns(leases: &[(String, uuid::Uuid)]) -> (Vec<&str>, Vec<uuid::Uuid>) {
     leases.iter().map(|(id, token)| (id.as_str(), *token)).unzip()
 }
 
@@ -69,7 +69,7 @@ impl PostgresStore {
                 // replica took them): no longer kept.
                 if let Ok(renewed) = self.renew_all(&due.renew).await {
                     for (id, token) in &due.renew {
-                        if renewed.contains(id) {
+                        if renewed.contains(token) {
                             kept.renewed(id, *token, started);
                         } else {
                             kept.forget(id, *token);
@@ -105,7 +105,7 @@ impl PostgresStore {
                    SET lease_token = NULL, lease_expires = NULL, lease_kept = false, lease_wanted = false
                    FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
                    WHERE s.id = h.id AND s.lease_token = h.token";
-        self.on_leases("release", sql, leases, None).await
+        self.on_leases("release", sql, leases).await
     }
 
     /// Tells the replicas that asked for the leases `leases` (in use here)
@@ -114,16 +114,16 @@ impl PostgresStore {
         let sql = "UPDATE lattice_sessions s SET lease_kept = false
                    FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
                    WHERE s.id = h.id AND s.lease_token = h.token AND s.lease_kept";
-        self.on_leases("handover", sql, leases, None).await
+        self.on_leases("handover", sql, leases).await
     }
 
-    /// Renews the leases `leases`; returns the sessions renewed.
-    async fn renew_all(&self, leases: &[(String, uuid::Uuid)]) -> Result<Vec<String>, StoreError> {
-        let sql = "UPDATE lattice_sessions s SET lease_expires = now() + $3 * interval '1 millisecond'
-                   FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
-                   WHERE s.id = h.id AND s.lease_token = h.token
-                   RETURNING s.id";
-        self.on_leases("renew", sql, leases, Some(self.ttl_ms())).await
+    /// Renews the leases `leases` on a pooled connection, within the
+    /// store's timeout; returns the tokens renewed.
+    async fn renew_all(&self, leases: &[(String, uuid::Uuid)]) -> Result<Vec<uuid::Uuid>, StoreError> {
+        bounded(self.soon(), "renew", StoreError::Unavailable("postgres"), async {
+            self.renew_leases(&self.conn("renew").await?, leases).await
+        })
+        .await
     }
 
     /// Of the leases `leases`, the sessions another replica asked for.
@@ -131,26 +131,22 @@ impl PostgresStore {
         let sql = "SELECT s.id FROM unnest($1::text[], $2::uuid[]) AS h(id, token)
                    JOIN lattice_sessions s ON s.id = h.id AND s.lease_token = h.token
                    WHERE s.lease_wanted";
-        self.on_leases("handover", sql, leases, None).await
+        self.on_leases("handover", sql, leases).await
     }
 
     /// `sql` (`what`) for the leases `leases` ($1 their sessions, $2 their
-    /// tokens; $3 the lease's time to live in ms, when given) on a pooled
-    /// connection, within the store's timeout: the sessions it returns.
+    /// tokens) on a pooled connection, within the store's timeout: the
+    /// sessions it returns.
     async fn on_leases(
         &self,
         what: &'static str,
         sql: &str,
         leases: &[(String, uuid::Uuid)],
-        ttl_ms: Option<f64>,
     ) -> Result<Vec<String>, StoreError> {
         let (ids, tokens) = columns(leases);
         bounded(self.soon(), what, StoreError::Unavailable("postgres"), async {
             let client = self.conn(what).await?;
-            let mut params: Vec<Param<'_>> = vec![(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY)];
-            if let Some(ttl) = &ttl_ms {
-                params.push((ttl, Type::FLOAT8));
-            }
+            let params: [Param<'_>; 2] = [(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY)];
             let rows = client.rows(sql, &params).await.map_err(db(what))?;
             rows.iter().map(|r| r.try_get(0).map_err(db(what))).collect()
         })

@@ -252,6 +252,12 @@ impl PostgresStore {
         self.poller.as_ref().map(|p| p.call())
     }
 
+    /// `statement`, a query's own, awaited with the busy poller polling.
+    async fn polled<T>(&self, statement: impl std::future::Future<Output = T>) -> T {
+        let _polling = self.polling();
+        statement.await
+    }
+
     /// Shows the store's reads and its cache in `metrics`.
     pub fn observe(&self, metrics: &Metrics) {
         let read = |how: &str| vec![("read", how.to_owned())];
@@ -370,10 +376,7 @@ impl SessionStore for PostgresStore {
                 // for a little (see `kept`).
                 let mut handover = kept::Handover::new();
                 loop {
-                    let polling = self.polling();
-                    let leased = self.lease(session_id, agent, owner, create, token).await;
-                    drop(polling);
-                    match leased {
+                    match self.polled(self.lease(session_id, agent, owner, create, token)).await {
                         Ok(Some(lease)) => return Ok(lease),
                         Ok(None) if handover.pause().await => {}
                         Ok(None) => return Err(StoreError::Busy),

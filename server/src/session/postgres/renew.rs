@@ -31,7 +31,7 @@ use tokio::{
 use tokio_postgres::types::Type;
 use tracing::warn;
 
-use super::{Param, PostgresStore, db};
+use super::{Conn, Param, PostgresStore, db, keeper::columns};
 use crate::{session::StoreError, sync::lock};
 
 /// The leases of the replica's running queries, and the task's next wake.
@@ -216,10 +216,21 @@ impl PostgresStore {
         self.renewer.hold(id, token, held_until)
     }
 
-    /// Renews the leases `batch`: the tokens renewed.
+    /// Renews the running queries' leases `batch` on their shared
+    /// connections: the tokens renewed.
     async fn renew_running(&self, batch: Batch) -> Result<Vec<uuid::Uuid>, StoreError> {
-        let (ids, tokens): (Vec<String>, Vec<uuid::Uuid>) = batch.into_iter().unzip();
-        let client = self.query_conn("renew").await?;
+        self.renew_leases(&self.query_conn("renew").await?, &batch).await
+    }
+
+    /// Renews the leases `leases` (session, token) on `client`, those of
+    /// running queries and those kept (see `keeper`) alike: the tokens
+    /// renewed (a lease not renewed was taken over).
+    pub(super) async fn renew_leases(
+        &self,
+        client: &Conn<'_>,
+        leases: &[(String, uuid::Uuid)],
+    ) -> Result<Vec<uuid::Uuid>, StoreError> {
+        let (ids, tokens) = columns(leases);
         let params: [Param<'_>; 3] =
             [(&ids, Type::TEXT_ARRAY), (&tokens, Type::UUID_ARRAY), (&self.ttl_ms(), Type::FLOAT8)];
         let rows = client
