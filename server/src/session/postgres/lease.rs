@@ -4,9 +4,8 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use tracing::{debug, warn};
-
 use tokio_postgres::types::Type;
+use tracing::{debug, warn};
 
 use super::{
     PostgresStore,

@@ -281,6 +281,18 @@ mod tests {
         std::future::ready(Ok(batch.into_iter().map(|(_, t)| t).collect()))
     }
 
+    /// A renewer whose statements renew every lease asked, and the count
+    /// of its statements.
+    fn counted_renewer() -> (Arc<Renewer>, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let renewer = renewer(move |batch| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            renew_all(batch)
+        });
+        (renewer, calls)
+    }
+
     /// A database that takes the first renewal and then stops answering
     /// (SIGSTOP, a failover's silent primary): the lease is declared lost
     /// exactly when the last renewal runs out, though an attempt hangs.
@@ -294,7 +306,7 @@ mod tests {
                 if n > 0 {
                     std::future::pending::<()>().await;
                 }
-                Ok(batch.into_iter().map(|(_, t)| t).collect())
+                renew_all(batch).await
             }
         });
         // Renewed at 5 s (held until 20 s); the next attempts hang.
@@ -306,12 +318,7 @@ mod tests {
     /// one every third of the lease.
     #[tokio::test(start_paused = true)]
     async fn answered_renewals_keep_the_lease() {
-        let calls = Arc::new(AtomicUsize::new(0));
-        let seen = calls.clone();
-        let renewer = renewer(move |batch| {
-            seen.fetch_add(1, Ordering::SeqCst);
-            renew_all(batch)
-        });
+        let (renewer, calls) = counted_renewer();
         assert_eq!(lost_after(&renewer, Duration::from_secs(600)).await, None);
         assert!((119..=120).contains(&calls.load(Ordering::SeqCst)), "{calls:?}");
     }
@@ -384,12 +391,7 @@ mod tests {
     /// a lease held meanwhile waits for its own time.
     #[tokio::test(start_paused = true)]
     async fn an_idle_renewer_does_no_renewal() {
-        let calls = Arc::new(AtomicUsize::new(0));
-        let seen = calls.clone();
-        let renewer = renewer(move |batch| {
-            seen.fetch_add(1, Ordering::SeqCst);
-            renew_all(batch)
-        });
+        let (renewer, calls) = counted_renewer();
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert_eq!(calls.load(Ordering::SeqCst), 0);
         let (held, _) = renewer.hold("s", uuid::Uuid::new_v4(), Instant::now() + TTL);
