@@ -67,3 +67,16 @@ pub fn ticks(pid: u32) -> (u64, u64) {
         _ => (0, 0),
     }
 }
+
+/// Core `core`'s time so far, idle and in all, in clock ticks
+/// (`/proc/stat`; idle counts I/O wait too).
+pub fn core_idle(core: usize) -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let name = format!("cpu{core}");
+    let Some(line) = stat.lines().find(|l| l.split_whitespace().next() == Some(name.as_str())) else {
+        return (0, 0);
+    };
+    let fields: Vec<u64> = line.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+    (idle, fields.iter().take(8).sum())
+}

@@ -46,7 +46,7 @@ use lattice_server::{
 };
 use lattice_tests::{
     Lattice, QueryOpts,
-    bench::{cpu, switches, ticks},
+    bench::{core_idle, cpu, switches, ticks},
     cfg,
     fake_api::{FakeApi, Reply},
     hook::{Behaviour, HookServer, OnResult},
@@ -433,7 +433,7 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>, busy_poll
         println!(
             "{store}: CPU per query at 16 clients: Lattice {:.0?} (memory store {:.0?}), {:.0} % of it in the kernel \
              ({:.0} %), its thread switched in {:.2} times a query ({:.2}); its clients {:.0?} ({:.0?}), \
-             PostgreSQL {:.0?}; with the clients and the database on machines of their own, an estimate: {:.0} % of \
+             PostgreSQL {:.0?}; cores idle {}; with the clients and the database on machines of their own, an estimate: {:.0} % of \
              memory's",
             sixteen.lattice,
             memory_sixteen.lattice,
@@ -444,6 +444,7 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>, busy_poll
             sixteen.clients,
             memory_sixteen.clients,
             sixteen.database,
+            idle_shares(&sixteen, &memory_sixteen),
             100.0 * memory_sixteen.lattice.as_secs_f64() / sixteen.lattice.as_secs_f64().max(1e-9)
         );
     }
@@ -451,6 +452,19 @@ async fn stores(queries: usize, split_cores: bool, rows: Option<&str>, busy_poll
         pin(std::process::id(), &all_cores);
         postgres_pids().into_iter().for_each(|pid| pin(pid, &all_cores));
     }
+}
+
+/// The share of their time cores 0 and 1 were idle in `row` (and in
+/// `memory`, the memory store's beside it).
+fn idle_shares(row: &Row, memory: &Row) -> String {
+    let share = |(idle, all): (u64, u64)| 100.0 * idle as f64 / all.max(1) as f64;
+    format!(
+        "{:.0} / {:.0} % ({:.0} / {:.0} %)",
+        share(row.idle[0]),
+        share(row.idle[1]),
+        share(memory.idle[0]),
+        share(memory.idle[1])
+    )
 }
 
 /// The rounds of a session store row at 16 clients (see [`stores`]).
@@ -476,6 +490,8 @@ struct Row {
     lattice_switches: f64,
     /// Lattice's CPU time in clock ticks, in user space and in the kernel.
     lattice_ticks: (u64, u64),
+    /// Cores 0 and 1: idle ticks and all ticks over the row.
+    idle: [(u64, u64); 2],
     per_statement: Option<f64>,
 }
 
@@ -492,6 +508,7 @@ impl Row {
         let (lattice, clients, database) = (mean(|r| r.lattice), mean(|r| r.clients), mean(|r| r.database));
         let lattice_switches = rows.iter().map(|r| r.lattice_switches * r.times.len() as f64).sum::<f64>() / n as f64;
         let lattice_ticks = rows.iter().fold((0, 0), |(u, s), r| (u + r.lattice_ticks.0, s + r.lattice_ticks.1));
+        let idle = [0, 1].map(|c| rows.iter().fold((0, 0), |(i, t), r| (i + r.idle[c].0, t + r.idle[c].1)));
         let statements: Vec<f64> = rows.iter().filter_map(|r| r.per_statement).collect();
         let per_statement = (!statements.is_empty()).then(|| statements.iter().sum::<f64>() / statements.len() as f64);
         let mut times: Vec<Duration> = rows.into_iter().flat_map(|r| r.times).collect();
@@ -505,6 +522,7 @@ impl Row {
             database,
             lattice_switches,
             lattice_ticks,
+            idle,
             per_statement,
         }
     }
@@ -529,6 +547,7 @@ async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> R
     let all = Instant::now();
     let cpu_before = (cpu(served), cpu(std::process::id()), postgres_cpu());
     let (switches_before, ticks_before) = (switches(served), ticks(served));
+    let idle_before = [core_idle(0), core_idle(1)];
     let mut tasks = Vec::new();
     for _ in 0..clients {
         let lattice = lattice.clone();
@@ -564,6 +583,10 @@ async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> R
     let lattice_switches = switches(served).saturating_sub(switches_before) as f64 / f64::from(n);
     let (user, system) = ticks(served);
     let lattice_ticks = (user.saturating_sub(ticks_before.0), system.saturating_sub(ticks_before.1));
+    let idle = [0, 1].map(|c| {
+        let now = core_idle(c);
+        (now.0.saturating_sub(idle_before[c].0), now.1.saturating_sub(idle_before[c].1))
+    });
     times.sort();
     let per_statement = match (statements_before, commit_statements(lattice).await) {
         (Some(before), Some(after)) if after.1 > before.1 => Some((after.0 - before.0) / (after.1 - before.1)),
@@ -578,6 +601,7 @@ async fn measure(lattice: &Arc<Lattice>, clients: usize, per_client: usize) -> R
         database,
         lattice_switches,
         lattice_ticks,
+        idle,
         per_statement,
     }
 }
