@@ -734,17 +734,87 @@ async fn session_row_updates_stay_on_their_page_and_idle_sessions_are_swept() {
 
     // Idle for two hours (as the sweep's index knows it too), and fresh.
     store.acquire("idle", "a", true).await.unwrap().commit(vec![Message::user_text("x")]).await.unwrap();
-    client
-        .batch_execute(
-            "UPDATE lattice_sessions SET touched_at = now() - interval '2 hours',
-             touched_minute = date_trunc('minute', now() - interval '2 hours') WHERE id = 'idle'",
-        )
-        .await
-        .unwrap();
+    idle_for_two_hours(&client, "idle").await;
     assert_eq!(store.sweep().await.unwrap(), 1);
     let left: Vec<String> =
         client.query("SELECT id FROM lattice_sessions", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(left, ["busy"]);
+}
+
+/// A session's messages go with it, deleted or swept, on a database
+/// migrated from schema version 5 (whose messages referenced their session
+/// with a foreign key) as on a new one; a commit's inserts fire no
+/// per-message check; and a session deleted while a commit of its lapsed
+/// lease lands leaves no message behind, whichever goes first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sessions_messages_go_with_it_and_a_commit_checks_none_of_them() {
+    use lattice_server::{domain::Message, session::SessionStore};
+    let url = Cluster::shared().await.database().await;
+    let store = replica_store(&url, Duration::from_secs(15), 0);
+    assert_eq!(store.migrate_to(5).await.unwrap(), [1, 2, 3, 4, 5]);
+    for id in ["deleted", "swept", "kept"] {
+        store.acquire(id, "a", true).await.unwrap().commit(vec![Message::user_text(id)]).await.unwrap();
+        let lease = store.acquire(id, "a", false).await.unwrap();
+        lease.commit(vec![Message::user_text("more"), Message::user_text("still more")]).await.unwrap();
+    }
+    assert_eq!(store.migrate().await.unwrap(), [6]);
+    let client = connect(&url).await;
+    let messages = |id: &'static str| {
+        let client = &client;
+        async move {
+            let row = client.query_one("SELECT count(*) FROM lattice_messages WHERE session_id = $1", &[&id]).await;
+            row.unwrap().get::<_, i64>(0)
+        }
+    };
+    assert_eq!((messages("deleted").await, messages("swept").await, messages("kept").await), (3, 3, 3));
+    assert_eq!(store.get("kept").await.unwrap().messages.len(), 3, "migrated, the conversation reads whole");
+
+    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'lattice_messages'::regclass";
+    assert_eq!(client.query_one(triggers, &[]).await.unwrap().get::<_, i64>(0), 0, "nothing runs per message");
+
+    store.delete("deleted").await.unwrap();
+    idle_for_two_hours(&client, "swept").await;
+    assert_eq!(store.sweep().await.unwrap(), 1);
+    assert_eq!((messages("deleted").await, messages("swept").await, messages("kept").await), (0, 0, 3));
+
+    // A lease that lapsed (another replica may delete the session then)
+    // and its commit, racing a delete: the commit lands and the delete
+    // finds the lease given back, or the delete goes first and the commit
+    // finds no session; never messages without their session.
+    let store = Arc::new(store);
+    let (mut landed, mut deleted_first) = (0, 0);
+    for i in 0..40 {
+        let id = format!("race-{i}");
+        store.acquire(&id, "a", true).await.unwrap().commit(vec![Message::user_text("first")]).await.unwrap();
+        let lease = store.acquire(&id, "a", false).await.unwrap();
+        client
+            .execute("UPDATE lattice_sessions SET lease_expires = now() - interval '1 second' WHERE id = $1", &[&id])
+            .await
+            .unwrap();
+        let (commit, delete) = (lease.commit(vec![Message::user_text("second")]), store.delete(&id));
+        let (committed, deleted) = tokio::join!(commit, delete);
+        match (committed, deleted) {
+            (Ok(()), _) => landed += 1,
+            (Err(_), Ok(())) => deleted_first += 1,
+            (Err(c), Err(d)) => panic!("both failed: {c:?}, {d:?}"),
+        }
+        let _ = store.delete(&id).await;
+    }
+    let orphans = "SELECT count(*) FROM lattice_messages m
+                   WHERE NOT EXISTS (SELECT 1 FROM lattice_sessions s WHERE s.id = m.session_id)";
+    assert_eq!(
+        client.query_one(orphans, &[]).await.unwrap().get::<_, i64>(0),
+        0,
+        "{landed} landed, {deleted_first} deleted first"
+    );
+}
+
+/// Session `id` last touched two hours ago, as the sweep's index knows it
+/// too.
+async fn idle_for_two_hours(client: &tokio_postgres::Client, id: &str) {
+    let idle = "UPDATE lattice_sessions SET touched_at = now() - interval '2 hours',
+                touched_minute = date_trunc('minute', now() - interval '2 hours') WHERE id = $1";
+    client.execute(idle, &[&id]).await.unwrap();
 }
 
 /// `keep_lease_ms` belongs to the PostgreSQL store, and must be shorter

@@ -281,7 +281,11 @@ impl PostgresStore {
     /// timeout).
     pub async fn prepare_schema(&self) -> Result<(), SchemaError> {
         let work = async {
-            if self.migrate { schema::migrate(&self.pool).await.map(drop) } else { schema::check(&self.pool).await }
+            if self.migrate {
+                schema::migrate(&self.pool, schema::VERSION).await.map(drop)
+            } else {
+                schema::check(&self.pool).await
+            }
         };
         tokio::time::timeout(self.timeout, work)
             .await
@@ -292,7 +296,14 @@ impl PostgresStore {
     /// whatever `migrate` says: `lattice migrate`. Returns the versions
     /// applied.
     pub async fn migrate(&self) -> Result<Vec<i32>, SchemaError> {
-        schema::migrate(&self.pool).await
+        schema::migrate(&self.pool, schema::VERSION).await
+    }
+
+    /// [`PostgresStore::migrate`] up to `version` at most (this build's at
+    /// most): a database as an older build left it, to test what migrating
+    /// it further keeps.
+    pub async fn migrate_to(&self, version: i32) -> Result<Vec<i32>, SchemaError> {
+        schema::migrate(&self.pool, version.min(schema::VERSION)).await
     }
 
     /// A connection from the pool, for `what`.
