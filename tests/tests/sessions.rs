@@ -781,7 +781,6 @@ async fn a_sessions_messages_go_with_it_and_a_commit_checks_none_of_them() {
     // and its commit, racing a delete: the commit lands and the delete
     // finds the lease given back, or the delete goes first and the commit
     // finds no session; never messages without their session.
-    let store = Arc::new(store);
     let (mut landed, mut deleted_first) = (0, 0);
     for i in 0..40 {
         let id = format!("race-{i}");

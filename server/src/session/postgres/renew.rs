@@ -20,7 +20,10 @@
 use std::{
     collections::HashMap,
     future::Future,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -43,7 +46,7 @@ pub(super) struct Renewer {
     wake: Notify,
     ttl: Duration,
     timeout: Duration,
-    started: std::sync::atomic::AtomicBool,
+    started: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -119,7 +122,7 @@ impl Renewer {
 
     /// Whether the task is to be started (the first time only).
     fn start(&self) -> bool {
-        !self.started.swap(true, std::sync::atomic::Ordering::SeqCst)
+        !self.started.swap(true, Ordering::SeqCst)
     }
 
     /// The task: renews the leases due with `attempt` (which answers the
@@ -249,7 +252,7 @@ impl PostgresStore {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
 
     use super::*;
 
