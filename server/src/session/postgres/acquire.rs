@@ -5,6 +5,54 @@
 use super::*;
 
 impl PostgresStore {
+    /// Takes session `session_id`'s lease from the database (see
+    /// [`SessionStore::acquire_until`]), waiting a little for another
+    /// replica to hand over a lease it keeps; a failure gives back
+    /// whatever the database may have granted.
+    pub(super) async fn take_lease(
+        &self,
+        session_id: &str,
+        agent: &str,
+        owner: Option<&str>,
+        create: bool,
+        deadline: Instant,
+    ) -> Result<Lease, StoreError> {
+        let token = uuid::Uuid::new_v4();
+        let taken = tokio::time::timeout_at(deadline, async {
+            // A lease another replica keeps is asked for, and waited
+            // for a little (see `kept`).
+            let mut handover = kept::Handover::new();
+            loop {
+                match self.polled(self.lease(session_id, agent, owner, create, token)).await {
+                    Ok(Some(lease)) => return Ok(lease),
+                    Ok(None) if handover.pause().await => {}
+                    Ok(None) => return Err(StoreError::Busy),
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await;
+        let (failed, wait) = match taken {
+            Ok(Ok(lease)) => return Ok(lease),
+            Ok(Err(e @ (StoreError::Busy | StoreError::NotFound))) => return Err(e),
+            // Failed with time left: the lease is given back before the
+            // client hears, so that its retry finds the session free.
+            Ok(Err(e)) => (e, true),
+            Err(_) => {
+                warn!(operation = "acquire", "session store did not answer before the query's deadline");
+                (StoreError::Deadline, false)
+            }
+        };
+        // The store may have granted the lease (a reply lost, a history
+        // that did not read, the deadline): give it back by token,
+        // within the store's timeout, waited for until the deadline.
+        let give_back = self.give_back_later(session_id.to_owned(), token, create);
+        if wait {
+            let _ = tokio::time::timeout_at(deadline, give_back).await;
+        }
+        Err(failed)
+    }
+
     /// Takes a session's lease (see [`SessionStore::acquire_as`]) under
     /// `token`. Ok(None): another replica keeps it, and was asked to hand
     /// it over (or it was released just now): try again shortly.
@@ -173,7 +221,8 @@ impl PostgresStore {
                     let client = self.conn("read").await?;
                     Self::messages(&client, session_id, 0, count).await
                 };
-                match self.polled(bounded(deadline, "read", StoreError::Deadline, read)).await {
+                // Boxed: a kept lease found in the cache never carries it.
+                match Box::pin(self.polled(bounded(deadline, "read", StoreError::Deadline, read))).await {
                     Ok(messages) => {
                         self.reads_whole.fetch_add(1, Ordering::Relaxed);
                         if let Some(cache) = &self.cache {

@@ -151,7 +151,9 @@ impl LeaseHolder for PgLease {
                     Err(StoreError::Unavailable("postgres"))
                 }
                 Sent::Unknown => {
-                    let outcome = self.settle(until).await;
+                    // Boxed: a commit that was answered never carries
+                    // the read-back's statements.
+                    let outcome = Box::pin(self.settle(until)).await;
                     if let (Ok(()), Some(next)) = (&outcome, keep) {
                         // Landed, maybe keeping the lease: not kept here.
                         self.store.give_back_later(self.id.clone(), next, false);
@@ -235,5 +237,49 @@ impl PostgresStore {
             .await
             .map_err(db("read back"))?;
         Ok(row.and_then(|r| r.try_get::<_, Option<bool>>(0).ok().flatten()).unwrap_or(false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{config::PostgresSettings, session::SessionStore};
+
+    /// A query on a kept lease starts its lease's and its commit's futures
+    /// (a copy each, into the heap) and takes no statement there but the
+    /// commit, which the group sends: neither may carry the futures of the
+    /// statements it does not send (kilobytes each: taking a lease anew,
+    /// a history read, a commit's read-back), which go in boxes of their
+    /// own when needed.
+    #[tokio::test]
+    async fn a_kept_lease_queries_futures_carry_no_statement_they_do_not_send() {
+        let settings = PostgresSettings {
+            url_env: "-".into(),
+            // Never reached: nothing here is polled.
+            url: "postgres://lattice@127.0.0.1:9/lattice".into(),
+            pool_size: 1,
+            pipeline_connections: 1,
+            exit_if_unreachable: false,
+            history_cache_bytes: 1 << 20,
+            keep_lease: Duration::from_secs(30),
+            store_timeout: Duration::from_secs(5),
+            migrate: false,
+            prepared_statements: true,
+        };
+        let ttl = Duration::from_secs(15);
+        let store = PostgresStore::new(&settings, ttl, Duration::from_secs(3600)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let acquire = store.acquire_until("s", "a", None, false, deadline);
+        let token = uuid::Uuid::new_v4();
+        let (renewal, _lost) = store.renew("s", token, Instant::now() + ttl);
+        let held = kept::Held { token, version: 1, count: 2, born: 1, agent: "a".into(), owner: None };
+        let lease = PgLease { store: store.clone(), id: "s".into(), held, created: false, renewal };
+        let commit = lease.commit(Vec::new(), Some(deadline));
+        // Each was several kilobytes with the statements' futures inside.
+        let (acquired, committed) = (std::mem::size_of_val(&*acquire), std::mem::size_of_val(&*commit));
+        assert!(acquired <= 1024, "taking a lease: {acquired} bytes");
+        assert!(committed <= 1024, "a commit: {committed} bytes");
     }
 }

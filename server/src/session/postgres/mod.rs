@@ -381,40 +381,10 @@ impl SessionStore for PostgresStore {
                     kept::Found::Nothing => {}
                 }
             }
-            let token = uuid::Uuid::new_v4();
-            let taken = tokio::time::timeout_at(deadline, async {
-                // A lease another replica keeps is asked for, and waited
-                // for a little (see `kept`).
-                let mut handover = kept::Handover::new();
-                loop {
-                    match self.polled(self.lease(session_id, agent, owner, create, token)).await {
-                        Ok(Some(lease)) => return Ok(lease),
-                        Ok(None) if handover.pause().await => {}
-                        Ok(None) => return Err(StoreError::Busy),
-                        Err(e) => return Err(e),
-                    }
-                }
-            })
-            .await;
-            let (failed, wait) = match taken {
-                Ok(Ok(lease)) => return Ok(lease),
-                Ok(Err(e @ (StoreError::Busy | StoreError::NotFound))) => return Err(e),
-                // Failed with time left: the lease is given back before the
-                // client hears, so that its retry finds the session free.
-                Ok(Err(e)) => (e, true),
-                Err(_) => {
-                    warn!(operation = "acquire", "session store did not answer before the query's deadline");
-                    (StoreError::Deadline, false)
-                }
-            };
-            // The store may have granted the lease (a reply lost, a history
-            // that did not read, the deadline): give it back by token,
-            // within the store's timeout, waited for until the deadline.
-            let give_back = self.give_back_later(session_id.to_owned(), token, create);
-            if wait {
-                let _ = tokio::time::timeout_at(deadline, give_back).await;
-            }
-            Err(failed)
+            // Boxed on its own: a kept lease's future stays small (a query
+            // copies it once), and only a lease taken from the database
+            // carries the statements' futures.
+            Box::pin(self.take_lease(session_id, agent, owner, create, deadline)).await
         })
     }
 
