@@ -111,8 +111,9 @@ impl HistoryCache {
         }
         Arc::make_mut(&mut entry.messages).extend(appended);
         entry.bytes += bytes;
+        let too_large = entry.bytes > self.budget;
         state.bytes += bytes;
-        if state.entries.get(id).is_some_and(|e| e.bytes > self.budget) {
+        if too_large {
             self.forget_locked(&mut state, id);
         }
         self.evict(&mut state);

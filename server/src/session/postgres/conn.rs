@@ -4,12 +4,15 @@
 //! (the reason, never a value or the connection string); and the bound
 //! every wait on the database has.
 
-use std::{future::Future, ops::Deref};
+use std::{future::Future, ops::Deref, sync::Mutex};
 
 use deadpool_postgres::ClientWrapper;
 
 use tokio::time::Instant;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{
+    Statement,
+    types::{ToSql, Type},
+};
 use tracing::warn;
 
 use super::{connect, pool::Object, shared::Lent};
@@ -31,8 +34,51 @@ impl Deref for Handle<'_> {
     fn deref(&self) -> &ClientWrapper {
         match self {
             Handle::Pooled(object) => object,
-            Handle::Shared(lent) => &lent.client,
+            Handle::Shared(lent) => &lent.client.client,
         }
+    }
+}
+
+impl Handle<'_> {
+    fn statements(&self) -> &Statements {
+        match self {
+            Handle::Pooled(object) => &object.statements,
+            Handle::Shared(lent) => &lent.client.statements,
+        }
+    }
+}
+
+/// The statements prepared on one connection. Every statement's SQL is a
+/// constant, so one is found by its text's address instead of by hashing
+/// the text (kilobytes for a commit of several sessions), as
+/// deadpool-postgres's cache does, once per statement sent.
+#[derive(Debug, Default)]
+pub(super) struct Statements(Mutex<Vec<(&'static str, Vec<Type>, Statement)>>);
+
+impl Statements {
+    /// `sql` with `types` prepared on `client`, once.
+    async fn prepared(
+        &self,
+        client: &ClientWrapper,
+        sql: &'static str,
+        types: &[Type],
+    ) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(statement) = self.find(sql, types) {
+            return Ok(statement);
+        }
+        let statement = client.prepare_typed(sql, types).await?;
+        // Another task may have prepared it meanwhile: the first one kept
+        // serves, and this one is closed when dropped.
+        let mut known = crate::sync::lock(&self.0);
+        if !known.iter().any(|(s, t, _)| std::ptr::eq(*s, sql) && t == types) {
+            known.push((sql, types.to_vec(), statement.clone()));
+        }
+        Ok(statement)
+    }
+
+    fn find(&self, sql: &'static str, types: &[Type]) -> Option<Statement> {
+        let known = crate::sync::lock(&self.0);
+        known.iter().find(|(s, t, _)| std::ptr::eq(*s, sql) && t == types).map(|(_, _, statement)| statement.clone())
     }
 }
 
@@ -68,26 +114,26 @@ impl Conn<'_> {
     /// The rows of `sql` with `params`.
     pub(super) async fn rows(
         &self,
-        sql: &str,
+        sql: &'static str,
         params: &[Param<'_>],
     ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
         self.send(self.rows_now(sql, params)).await
     }
 
     /// The rows `sql` changed.
-    pub(super) async fn exec(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
+    pub(super) async fn exec(&self, sql: &'static str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
         self.send(self.exec_now(sql, params)).await
     }
 
     async fn rows_now(
         &self,
-        sql: &str,
+        sql: &'static str,
         params: &[Param<'_>],
     ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
         if self.prepared {
             let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
             let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
-            let statement = self.client.prepare_typed_cached(sql, &types).await?;
+            let statement = self.client.statements().prepared(&self.client, sql, &types).await?;
             self.client.query(&statement, &values).await
         } else {
             self.client.query_typed(sql, params).await
@@ -97,17 +143,17 @@ impl Conn<'_> {
     /// At most one row.
     pub(super) async fn maybe_row(
         &self,
-        sql: &str,
+        sql: &'static str,
         params: &[Param<'_>],
     ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
         Ok(self.rows(sql, params).await?.into_iter().next())
     }
 
-    async fn exec_now(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
+    async fn exec_now(&self, sql: &'static str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
         if self.prepared {
             let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
             let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
-            let statement = self.client.prepare_typed_cached(sql, &types).await?;
+            let statement = self.client.statements().prepared(&self.client, sql, &types).await?;
             self.client.execute(&statement, &values).await
         } else {
             self.client.execute_typed(sql, params).await

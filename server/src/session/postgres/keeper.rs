@@ -140,7 +140,7 @@ impl PostgresStore {
     async fn on_leases(
         &self,
         what: &'static str,
-        sql: &str,
+        sql: &'static str,
         leases: &[(String, uuid::Uuid)],
     ) -> Result<Vec<String>, StoreError> {
         let (ids, tokens) = columns(leases);

@@ -19,6 +19,8 @@ use std::{
 use deadpool::managed::{Metrics, RecycleError, RecycleResult};
 use deadpool_postgres::ClientWrapper;
 
+use super::conn::Statements;
+
 /// The pool.
 pub(super) type Pool = deadpool::managed::Pool<Manager>;
 /// A connection lent by the pool.
@@ -28,11 +30,12 @@ pub(super) type Object = deadpool::managed::Object<Manager>;
 #[derive(Debug)]
 pub(super) struct Manager(pub(super) deadpool_postgres::Manager);
 
-/// A pooled connection and its mark.
+/// A pooled connection, its mark, and the statements prepared on it.
 #[derive(Debug)]
 pub(super) struct Pooled {
     client: ClientWrapper,
     waiting: AtomicBool,
+    pub(super) statements: Statements,
 }
 
 impl Pooled {
@@ -62,7 +65,8 @@ impl deadpool::managed::Manager for Manager {
     type Error = tokio_postgres::Error;
 
     async fn create(&self) -> Result<Pooled, tokio_postgres::Error> {
-        Ok(Pooled { client: self.0.create().await?, waiting: AtomicBool::new(false) })
+        let client = self.0.create().await?;
+        Ok(Pooled { client, waiting: AtomicBool::new(false), statements: Statements::default() })
     }
 
     async fn recycle(&self, conn: &mut Pooled, metrics: &Metrics) -> RecycleResult<tokio_postgres::Error> {

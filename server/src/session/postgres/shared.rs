@@ -25,7 +25,7 @@ use std::sync::{
 use deadpool_postgres::{ClientWrapper, Connect};
 use tokio_postgres::Config;
 
-use super::connect::Connector;
+use super::{conn::Statements, connect::Connector};
 
 /// A fixed number of shared connections; a statement takes the one with
 /// the fewest tasks on it (the first, when the store is idle).
@@ -41,7 +41,7 @@ struct Slot {
     /// Tasks holding the slot's connection.
     users: AtomicUsize,
     /// The slot's connection, while it is open and not retired.
-    live: Mutex<Option<Arc<ClientWrapper>>>,
+    live: Mutex<Option<Arc<Connection>>>,
     /// Held while a connection is made for the slot, so that the
     /// statements waiting for one share it.
     making: tokio::sync::Mutex<()>,
@@ -53,11 +53,17 @@ impl std::fmt::Debug for Shared {
     }
 }
 
+/// A shared connection and the statements prepared on it.
+pub(super) struct Connection {
+    pub(super) client: ClientWrapper,
+    pub(super) statements: Statements,
+}
+
 /// A shared connection lent to a task for its statements. Dropped while
 /// one of them awaits its answer, it retires the connection from its slot.
 pub(super) struct Lent<'a> {
     user: User<'a>,
-    pub(super) client: Arc<ClientWrapper>,
+    pub(super) client: Arc<Connection>,
     waiting: AtomicBool,
 }
 
@@ -87,13 +93,13 @@ impl Drop for Lent<'_> {
 }
 
 impl Slot {
-    fn open(&self) -> Option<Arc<ClientWrapper>> {
+    fn open(&self) -> Option<Arc<Connection>> {
         let live = crate::sync::lock(&self.live);
-        live.as_ref().filter(|c| !c.is_closed()).cloned()
+        live.as_ref().filter(|c| !c.client.is_closed()).cloned()
     }
 
     /// Takes `client` out of the slot, if it is still there.
-    fn retire(&self, client: &Arc<ClientWrapper>) {
+    fn retire(&self, client: &Arc<Connection>) {
         let mut live = crate::sync::lock(&self.live);
         if live.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
             *live = None;
@@ -127,7 +133,8 @@ impl Shared {
             return Ok(lend(user, client));
         }
         let (client, task) = self.connector.connect(&self.pg).await?;
-        let client = Arc::new(ClientWrapper::new(client, task));
+        let client =
+            Arc::new(Connection { client: ClientWrapper::new(client, task), statements: Statements::default() });
         *crate::sync::lock(&slot.live) = Some(client.clone());
         Ok(lend(user, client))
     }
