@@ -35,6 +35,8 @@ pub(super) struct Manager(pub(super) deadpool_postgres::Manager);
 pub(super) struct Pooled {
     client: ClientWrapper,
     waiting: AtomicBool,
+    /// Kept from one loan to the next: recycling (`RecyclingMethod::Fast`)
+    /// discards no prepared statement.
     pub(super) statements: Statements,
 }
 
