@@ -63,21 +63,20 @@ impl Statements {
         sql: &'static str,
         types: &[Type],
     ) -> Result<Statement, tokio_postgres::Error> {
-        if let Some(statement) = self.find(sql, types) {
+        if let Some(statement) = Self::find(&crate::sync::lock(&self.0), sql, types) {
             return Ok(statement);
         }
         let statement = client.prepare_typed(sql, types).await?;
         // Another task may have prepared it meanwhile: the first one kept
         // serves, and this one is closed when dropped.
         let mut known = crate::sync::lock(&self.0);
-        if !known.iter().any(|(s, t, _)| std::ptr::eq(*s, sql) && t == types) {
+        if Self::find(&known, sql, types).is_none() {
             known.push((sql, types.to_vec(), statement.clone()));
         }
         Ok(statement)
     }
 
-    fn find(&self, sql: &'static str, types: &[Type]) -> Option<Statement> {
-        let known = crate::sync::lock(&self.0);
+    fn find(known: &[(&'static str, Vec<Type>, Statement)], sql: &'static str, types: &[Type]) -> Option<Statement> {
         known.iter().find(|(s, t, _)| std::ptr::eq(*s, sql) && t == types).map(|(_, _, statement)| statement.clone())
     }
 }

@@ -254,7 +254,7 @@ mod tests {
     /// a history read, a commit's read-back), which go in boxes of their
     /// own when needed.
     #[tokio::test]
-    async fn a_kept_lease_queries_futures_carry_no_statement_they_do_not_send() {
+    async fn a_kept_lease_queries_futures_carry_no_statement_they_do_not_send() -> Result<(), String> {
         let settings = PostgresSettings {
             url_env: "-".into(),
             // Never reached: nothing here is polled.
@@ -269,7 +269,7 @@ mod tests {
             prepared_statements: true,
         };
         let ttl = Duration::from_secs(15);
-        let store = PostgresStore::new(&settings, ttl, Duration::from_secs(3600)).unwrap();
+        let store = PostgresStore::new(&settings, ttl, Duration::from_secs(3600))?;
         let deadline = Instant::now() + Duration::from_secs(1);
         let acquire = store.acquire_until("s", "a", None, false, deadline);
         let token = uuid::Uuid::new_v4();
@@ -281,5 +281,6 @@ mod tests {
         let (acquired, committed) = (std::mem::size_of_val(&*acquire), std::mem::size_of_val(&*commit));
         assert!(acquired <= 1024, "taking a lease: {acquired} bytes");
         assert!(committed <= 1024, "a commit: {committed} bytes");
+        Ok(())
     }
 }
