@@ -4,7 +4,8 @@
 //! `LATTICE_TEST_POSTGRES_URL` if set, else one kept in
 //! `$TMPDIR/lattice-test-pg` (the first test process to need it starts it,
 //! under a file lock; `tests/run.sh` stops it at the end). Each test takes
-//! a fresh database of its own ([`Cluster::database`]). [`Cluster::private`]
+//! a fresh database of its own ([`Cluster::database`]); the first use in a
+//! process drops those of processes that have ended. [`Cluster::private`]
 //! starts a cluster a test may stop and start again (a database outage),
 //! or freeze ([`Cluster::freeze`]: every server process stopped with
 //! SIGSTOP, as a failover's old primary goes silent); [`Cluster::tls_only`]
@@ -60,10 +61,12 @@ impl Cluster {
     pub async fn shared() -> &'static Cluster {
         SHARED
             .get_or_init(|| async {
-                match std::env::var(SHARED_URL_ENV) {
+                let cluster = match std::env::var(SHARED_URL_ENV) {
                     Ok(url) => Cluster { url, own: None, tls_only: false },
                     Err(_) => Cluster::well_known().await,
-                }
+                };
+                cluster.drop_leftovers().await;
+                cluster
             })
             .await
     }
@@ -225,6 +228,33 @@ impl Cluster {
         tokio::spawn(connection);
         client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
         format!("{}/{name}", self.url)
+    }
+
+    /// Drops the databases [`Cluster::database`] made for processes that
+    /// have ended. The shared cluster outlives test processes, and nothing
+    /// else drops theirs: run by hand (a bench, one test) again and again,
+    /// it would fill the disk. A database whose process is still running
+    /// (or whose process id another process took since) is left alone.
+    pub async fn drop_leftovers(&self) {
+        let Ok((client, connection)) =
+            tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await
+        else {
+            return;
+        };
+        tokio::spawn(connection);
+        let Ok(rows) =
+            client.query("SELECT datname FROM pg_database WHERE datname LIKE 'lattice\\_test\\_%'", &[]).await
+        else {
+            return;
+        };
+        for name in rows.iter().map(|r| r.get::<_, String>(0)) {
+            let Some(pid) = database_process(&name) else { continue };
+            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            // Another process may be dropping it too: an error is no matter.
+            let _ = client.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
+        }
     }
 
     /// A connection string for the tests' own use of `database`: over TCP,
@@ -404,16 +434,52 @@ fn database_name(pid: u32, n: u32) -> String {
     format!("lattice_test_{pid}_{n}_{nanos}")
 }
 
+/// The process a database of [`database_name`]'s was made for.
+fn database_process(name: &str) -> Option<u32> {
+    name.strip_prefix("lattice_test_")?.split('_').next()?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// Two processes with the same id (one reusing an earlier one's) name
     /// their first databases apart.
     #[test]
     fn a_reused_process_id_names_a_new_database() {
-        let first = super::database_name(7404, 0);
+        let first = database_name(7404, 0);
         std::thread::sleep(std::time::Duration::from_millis(1));
-        let second = super::database_name(7404, 0);
+        let second = database_name(7404, 0);
         assert_ne!(first, second);
         assert!(second.len() <= 63, "PostgreSQL truncates longer names: {second}");
+        assert_eq!(database_process(&second), Some(7404));
+    }
+
+    /// The databases of ended processes are dropped from the shared
+    /// cluster; this process's are kept.
+    #[tokio::test]
+    async fn the_databases_of_ended_processes_are_dropped() {
+        let cluster = Cluster::shared().await;
+        let mine = cluster.database().await;
+        // A process that has ended: its id, and a database made for it.
+        let mut child = Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        let gone = database_name(child.id(), 0);
+        let (client, connection) =
+            tokio_postgres::connect(&cluster.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client.batch_execute(&format!("CREATE DATABASE {gone}")).await.unwrap();
+        let exists = |name: String| {
+            let client = &client;
+            async move {
+                let row = client.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&name]).await;
+                row.unwrap().get::<_, i64>(0) == 1
+            }
+        };
+        assert!(exists(gone.clone()).await);
+        cluster.drop_leftovers().await;
+        assert!(!exists(gone).await, "the ended process's database is still there");
+        let mine = mine.rsplit('/').next().unwrap().to_owned();
+        assert!(exists(mine).await, "this process's database was dropped");
     }
 }
