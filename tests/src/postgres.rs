@@ -5,7 +5,8 @@
 //! `$TMPDIR/lattice-test-pg` (the first test process to need it starts it,
 //! under a file lock; `tests/run.sh` stops it at the end). Each test takes
 //! a fresh database of its own ([`Cluster::database`]); the first use in a
-//! process drops those of processes that have ended. [`Cluster::private`]
+//! process drops those that ended processes made over an hour ago.
+//! [`Cluster::private`]
 //! starts a cluster a test may stop and start again (a database outage),
 //! or freeze ([`Cluster::freeze`]: every server process stopped with
 //! SIGSTOP, as a failover's old primary goes silent); [`Cluster::tls_only`]
@@ -230,11 +231,13 @@ impl Cluster {
         format!("{}/{name}", self.url)
     }
 
-    /// Drops the databases [`Cluster::database`] made for processes that
-    /// have ended. The shared cluster outlives test processes, and nothing
-    /// else drops theirs: run by hand (a bench, one test) again and again,
-    /// it would fill the disk. A database whose process is still running
-    /// (or whose process id another process took since) is left alone.
+    /// Drops the databases [`Cluster::database`] made over an hour ago for
+    /// processes that have ended. The shared cluster outlives test
+    /// processes, and nothing else drops theirs: run by hand (a bench, one
+    /// test) again and again, it would fill the disk. A database whose
+    /// process is still running (or whose process id another process took
+    /// since) is left alone, and so is every one a test run now going on
+    /// made: dropping them would only load the cluster under its tests.
     pub async fn drop_leftovers(&self) {
         let Ok((client, connection)) =
             tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await
@@ -247,9 +250,10 @@ impl Cluster {
         else {
             return;
         };
+        let hour_ago = since_epoch().saturating_sub(Duration::from_secs(3600).as_nanos());
         for name in rows.iter().map(|r| r.get::<_, String>(0)) {
-            let Some(pid) = database_process(&name) else { continue };
-            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let Some((pid, made)) = database_process(&name) else { continue };
+            if made > hour_ago || std::path::Path::new(&format!("/proc/{pid}")).exists() {
                 continue;
             }
             // Another process may be dropping it too: an error is no matter.
@@ -430,13 +434,20 @@ impl Drop for PgBouncer {
 /// when. (The shared cluster outlives test processes, and a later one may
 /// get an earlier one's process id.)
 fn database_name(pid: u32, n: u32) -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!("lattice_test_{pid}_{n}_{nanos}")
+    format!("lattice_test_{pid}_{n}_{}", since_epoch())
 }
 
-/// The process a database of [`database_name`]'s was made for.
-fn database_process(name: &str) -> Option<u32> {
-    name.strip_prefix("lattice_test_")?.split('_').next()?.parse().ok()
+/// Now, in nanoseconds since the epoch.
+fn since_epoch() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+}
+
+/// The process a database of [`database_name`]'s was made for, and when
+/// (nanoseconds since the epoch).
+fn database_process(name: &str) -> Option<(u32, u128)> {
+    let mut parts = name.strip_prefix("lattice_test_")?.split('_');
+    let pid = parts.next()?.parse().ok()?;
+    Some((pid, parts.nth(1)?.parse().ok()?))
 }
 
 #[cfg(test)]
@@ -452,23 +463,28 @@ mod tests {
         let second = database_name(7404, 0);
         assert_ne!(first, second);
         assert!(second.len() <= 63, "PostgreSQL truncates longer names: {second}");
-        assert_eq!(database_process(&second), Some(7404));
+        assert_eq!(database_process(&second).map(|(pid, _)| pid), Some(7404));
     }
 
-    /// The databases of ended processes are dropped from the shared
-    /// cluster; this process's are kept.
+    /// The databases ended processes made over an hour ago are dropped
+    /// from the shared cluster; this process's, and recent ones, are kept.
     #[tokio::test]
-    async fn the_databases_of_ended_processes_are_dropped() {
+    async fn the_old_databases_of_ended_processes_are_dropped() {
         let cluster = Cluster::shared().await;
         let mine = cluster.database().await;
-        // A process that has ended: its id, and a database made for it.
+        // A process that has ended: its id, and databases made for it two
+        // hours ago and just now.
         let mut child = Command::new("true").spawn().unwrap();
         child.wait().unwrap();
-        let gone = database_name(child.id(), 0);
+        let two_hours_ago = since_epoch() - Duration::from_secs(7200).as_nanos();
+        let gone = format!("lattice_test_{}_0_{two_hours_ago}", child.id());
+        let recent = database_name(child.id(), 1);
         let (client, connection) =
             tokio_postgres::connect(&cluster.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
         tokio::spawn(connection);
-        client.batch_execute(&format!("CREATE DATABASE {gone}")).await.unwrap();
+        for name in [&gone, &recent] {
+            client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+        }
         let exists = |name: String| {
             let client = &client;
             async move {
@@ -478,7 +494,9 @@ mod tests {
         };
         assert!(exists(gone.clone()).await);
         cluster.drop_leftovers().await;
-        assert!(!exists(gone).await, "the ended process's database is still there");
+        assert!(!exists(gone).await, "the ended process's old database is still there");
+        assert!(exists(recent.clone()).await, "a database made a moment ago was dropped");
+        client.batch_execute(&format!("DROP DATABASE {recent}")).await.unwrap();
         let mine = mine.rsplit('/').next().unwrap().to_owned();
         assert!(exists(mine).await, "this process's database was dropped");
     }
