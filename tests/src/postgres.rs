@@ -85,7 +85,7 @@ impl Cluster {
                 return Cluster { url, own: None, tls_only: false };
             }
         }
-        let mut cluster = Cluster::init(dir.join("cluster"), None, None).await;
+        let mut cluster = Cluster::init(dir.join("cluster"), None, None, None).await;
         let (_, port) = cluster.own.take().unwrap();
         std::fs::write(&port_file, port.to_string()).unwrap();
         // Left running for the next test process (no `own`: not stopped on drop).
@@ -107,24 +107,72 @@ impl Cluster {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        Cluster::init(dir, network, None).await
+        Cluster::init(dir, network, None, None).await
     }
 
     /// A private cluster that serves TLS with `cert_pem` and `key_pem` and
     /// refuses every plaintext TCP connection (`hostssl` lines only, and
     /// `hostnossl … reject`), as managed services commonly do.
     pub async fn tls_only(cert_pem: &str, key_pem: &str) -> Cluster {
+        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), None).await
+    }
+
+    /// [`Cluster::tls_only`], and every client must present a certificate
+    /// signed by `client_ca_pem` (`clientcert=verify-ca`).
+    pub async fn tls_only_with_client_certificates(cert_pem: &str, key_pem: &str, client_ca_pem: &str) -> Cluster {
+        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), Some(client_ca_pem)).await
+    }
+
+    fn tls_dir() -> PathBuf {
         static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
+        std::env::temp_dir().join(format!(
             "lattice-test-pgtls-{}-{}",
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
-        ));
-        Cluster::init(dir, None, Some((cert_pem, key_pem))).await
+        ))
+    }
+
+    /// Writes a TLS-only cluster's certificate and key, and its clients'
+    /// CA if it checks client certificates, anew, and has the server read
+    /// them again (as an operator rotating them does): connections open
+    /// keep theirs, new ones get the new.
+    pub fn rotate_tls(&self, cert_pem: &str, key_pem: &str, client_ca_pem: Option<&str>) {
+        let (dir, _) = self.own.as_ref().expect("only a private cluster's files can be rotated");
+        let data = dir.join("data");
+        // Written over: the files keep their owner and mode.
+        std::fs::write(data.join("server.crt"), cert_pem).unwrap();
+        std::fs::write(data.join("server.key"), key_pem).unwrap();
+        if let Some(ca) = client_ca_pem {
+            std::fs::write(data.join("client_ca.crt"), ca).unwrap();
+        }
+        let reload = as_postgres(bin("pg_ctl")).arg("-D").arg(&data).arg("reload").stdout(Stdio::null()).status();
+        assert!(reload.is_ok_and(|s| s.success()), "pg_ctl reload failed");
+    }
+
+    /// Ends every client connection but the one asking (as a failover or
+    /// an operator does): how many were ended.
+    pub async fn cut_connections(&self) -> i64 {
+        let (client, connection) =
+            tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        let ended = client
+            .query_one(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap();
+        ended.get(0)
     }
 
     /// initdb in `dir` (made anew), then start on a free port.
-    async fn init(dir: PathBuf, network: Option<(&str, &str)>, tls: Option<(&str, &str)>) -> Cluster {
+    async fn init(
+        dir: PathBuf,
+        network: Option<(&str, &str)>,
+        tls: Option<(&str, &str)>,
+        client_ca: Option<&str>,
+    ) -> Cluster {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let chown = Command::new("chown").arg("postgres:postgres").arg(&dir).status().unwrap();
@@ -149,22 +197,31 @@ impl Cluster {
             let data = dir.join("data");
             std::fs::write(data.join("server.crt"), cert).unwrap();
             std::fs::write(data.join("server.key"), key).unwrap();
-            for f in ["server.crt", "server.key"] {
+            let mut conf = std::fs::read_to_string(data.join("postgresql.conf")).unwrap();
+            conf.push_str("\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+            let mut files = vec!["server.crt", "server.key"];
+            // Client certificates checked: against this CA, on every line.
+            let mut check_client = "";
+            if let Some(ca) = client_ca {
+                std::fs::write(data.join("client_ca.crt"), ca).unwrap();
+                conf.push_str("ssl_ca_file = 'client_ca.crt'\n");
+                files.push("client_ca.crt");
+                check_client = " clientcert=verify-ca";
+            }
+            std::fs::write(data.join("postgresql.conf"), conf).unwrap();
+            for f in files {
                 let owned = Command::new("chown").arg("postgres:postgres").arg(data.join(f)).status().unwrap();
                 assert!(owned.success());
             }
             let key_mode = Command::new("chmod").arg("600").arg(data.join("server.key")).status().unwrap();
             assert!(key_mode.success());
-            let mut conf = std::fs::read_to_string(data.join("postgresql.conf")).unwrap();
-            conf.push_str("\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
-            std::fs::write(data.join("postgresql.conf"), conf).unwrap();
             // TCP: TLS only. The Unix socket (`local` lines) stays open for
             // the tests' own set-up.
             let hba = std::fs::read_to_string(data.join("pg_hba.conf")).unwrap();
             let mut tls_hba = String::from("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n");
             for line in hba.lines() {
                 match line.strip_prefix("host ") {
-                    Some(rest) => tls_hba.push_str(&format!("hostssl {rest}\n")),
+                    Some(rest) => tls_hba.push_str(&format!("hostssl {rest}{check_client}\n")),
                     None => tls_hba.push_str(&format!("{line}\n")),
                 }
             }
