@@ -1,5 +1,6 @@
 //! The PostgreSQL store under real faults: a database that accepts TLS
-//! only, one whose every process is stopped (a failover's silent old
+//! only (and one that checks client certificates, whose files are rotated
+//! under a running Lattice), one whose every process is stopped (a failover's silent old
 //! primary), a connection gone silent while the database is fine,
 //! connections reset at random under concurrent sessions (on pipelined
 //! connections and on pooled ones), PgBouncer in transaction mode, and a
@@ -107,6 +108,94 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
         assert!(said.contains(reason), "{url}: expected {reason:?} in:\n{said}");
         assert!(!said.contains(&password) && !said.contains(&url), "the connection string reached the output:\n{said}");
     }
+}
+
+/// A database that checks client certificates (`clientcert=verify-ca`):
+/// reached with `sslcert`/`sslkey`; without them, or with a certificate of
+/// a CA it does not trust, refused at start-up with the reason. Then, under
+/// a running Lattice, every file is rotated: the server's certificate to
+/// one of a new CA (and `sslrootcert` rewritten to that CA), the client's
+/// to one of a new CA the server now trusts instead. Once the database cuts
+/// every connection, queries succeed again on new connections made from
+/// the files as they are now: no restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_certificates_are_presented_and_rotated_files_reach_new_connections() {
+    let (server_ca, client_ca) = (TestCa::new("pg-server"), TestCa::new("pg-client"));
+    let server = server_ca.issue("127.0.0.1");
+    let cluster = Cluster::tls_only_with_client_certificates(&server.cert_pem, &server.key_pem, &client_ca.pem).await;
+    let database = cluster.database().await;
+    let password = canary();
+    let at = database.replacen("postgres@", &format!("postgres:{password}@"), 1);
+    // The files Lattice is given, as a Secret mounted in a pod: rewritten
+    // in place when rotated.
+    let files = temp_dir("pg-client-files");
+    let (root, cert, key) = (files.join("ca.crt"), files.join("tls.crt"), files.join("tls.key"));
+    let client = client_ca.issue("lattice");
+    let write = |ca: &str, leaf: &lattice_tests::tls::Leaf| {
+        std::fs::write(&root, ca).unwrap();
+        std::fs::write(&cert, &leaf.cert_pem).unwrap();
+        std::fs::write(&key, &leaf.key_pem).unwrap();
+    };
+    write(&server_ca.pem, &client);
+    let verify = format!("sslmode=verify-full&sslrootcert={}", root.display());
+    let with_client = format!("{at}?{verify}&sslcert={}&sslkey={}", cert.display(), key.display());
+
+    // Refused, with the reason: no client certificate, and one the database
+    // does not trust.
+    let exit = "on_unreachable = \"exit\"";
+    let foreign_ca = TestCa::new("pg-foreign");
+    let foreign = foreign_ca.issue("lattice");
+    for (url, reason) in [
+        (format!("{at}?{verify}"), "the server requires a client certificate it accepts: set sslcert and sslkey"),
+        (
+            format!("{at}?{verify}&sslcert={}&sslkey={}", foreign.cert_file.display(), foreign.key_file.display()),
+            "does it require a client certificate (sslcert, sslkey)?",
+        ),
+    ] {
+        let (ok, said) = serve_until_exit(&config(0, exit), &url).await;
+        assert!(!ok, "{url}: started");
+        assert!(said.contains(reason), "{url}: expected {reason:?} in:\n{said}");
+        assert!(!said.contains(&password) && !said.contains(&url), "the connection string reached the output:\n{said}");
+    }
+
+    let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, with_client.as_str())]).await;
+    let first = lattice.query("a", "with a client certificate").await;
+    assert_eq!(first.expect_ok().text, "seen 1");
+    let session = first.session_id();
+
+    // Everything rotated: the old files would now be refused both ways.
+    let (new_server_ca, new_client_ca) = (TestCa::new("pg-server-next"), TestCa::new("pg-client-next"));
+    let new_server = new_server_ca.issue("127.0.0.1");
+    write(&new_server_ca.pem, &new_client_ca.issue("lattice"));
+    cluster.rotate_tls(&new_server.cert_pem, &new_server.key_pem, Some(&new_client_ca.pem));
+    assert!(cluster.cut_connections().await > 0, "Lattice held no connection to cut");
+
+    // Queries continue the session until one succeeds (those on a cut
+    // connection may fail, and then store nothing).
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut told_ok = 1;
+    loop {
+        let out = lattice.query_with(query("after the rotation", Some(&session), Duration::from_secs(5))).await;
+        match &out.status {
+            None => {
+                told_ok += 1;
+                break;
+            }
+            Some(status) if Instant::now() < until => {
+                assert_ne!(status.code(), Code::Unknown, "an outcome left unknown: {}", status.message());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Some(status) => panic!(
+                "no query succeeded on new connections after the rotation: {:?} {}\n{}",
+                status.code(),
+                status.message(),
+                lattice.process_logs()
+            ),
+        }
+    }
+    let stored = lattice.session(&session).await.unwrap();
+    assert_eq!(stored.messages.len(), 2 * told_ok, "what was stored is not what clients were told");
+    assert!(!lattice.process_logs().contains(&password), "the password reached the log");
 }
 
 /// Every process of the database stopped (SIGSTOP: connections stay open,

@@ -107,6 +107,11 @@ pub fn reason(e: &tokio_postgres::Error) -> String {
                  also refuses TLS for this user)"
                     .to_owned()
             }
+            // No client certificate, or one its pg_hba.conf line does not
+            // accept (`clientcert=`, `cert`).
+            "28000" if db.message().contains("certificate") => {
+                format!("the server requires a client certificate it accepts: set sslcert and sslkey (SQLSTATE {code})")
+            }
             "28000" => format!("the server's pg_hba.conf refuses this connection (SQLSTATE {code})"),
             "28P01" => "the server refused the password (SQLSTATE 28P01)".to_owned(),
             "3D000" => "the database does not exist (SQLSTATE 3D000)".to_owned(),
