@@ -80,7 +80,15 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
         format!("{at}?{params}")
     };
 
-    for params in [format!("sslmode=verify-full&sslrootcert={}", ca.file.display()), "sslmode=require".to_owned()] {
+    // `allow` tries plaintext first and `prefer` (the default, also when
+    // unset) TLS first: each ends up over TLS here.
+    for params in [
+        format!("sslmode=verify-full&sslrootcert={}", ca.file.display()),
+        "sslmode=require".to_owned(),
+        "sslmode=prefer".to_owned(),
+        "sslmode=allow".to_owned(),
+        "connect_timeout=10".to_owned(),
+    ] {
         let url = with("127.0.0.1", &params);
         let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
         let first = lattice.query("a", "over TLS").await;
@@ -107,6 +115,28 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
         assert!(!ok, "{url}: started");
         assert!(said.contains(reason), "{url}: expected {reason:?} in:\n{said}");
         assert!(!said.contains(&password) && !said.contains(&url), "the connection string reached the output:\n{said}");
+    }
+}
+
+/// A database that does not offer TLS at all: `prefer` and `allow` reach it
+/// in plaintext; `require`, and every mode that checks the server's
+/// certificate, are refused at start-up with the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_without_tls_is_reached_as_sslmode_says() {
+    let database = Cluster::shared().await.database().await;
+    for params in ["sslmode=prefer", "sslmode=allow"] {
+        let url = format!("{database}?{params}");
+        let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+        assert_eq!(lattice.query("a", "in plaintext").await.expect_ok().text, "seen 1", "{params}");
+    }
+    let ca = TestCa::new("pg-none");
+    let exit = "on_unreachable = \"exit\"";
+    for params in ["sslmode=require".to_owned(), format!("sslmode=verify-full&sslrootcert={}", ca.file.display())] {
+        let url = format!("{database}?{params}");
+        let (ok, said) = serve_until_exit(&config(0, exit), &url).await;
+        assert!(!ok, "{params}: started");
+        assert!(said.contains("the server does not accept TLS"), "{params}: no reason in:\n{said}");
+        assert!(!said.contains(&url), "the connection string reached the output:\n{said}");
     }
 }
 
