@@ -231,7 +231,8 @@ async fn client_certificates_are_presented_and_rotated_files_reach_new_connectio
 /// Every process of the database stopped (SIGSTOP: connections stay open,
 /// nothing answers, no reset comes) under concurrent queries: each ends by
 /// its deadline, not OK; health turns NOT_SERVING within a few seconds;
-/// after SIGCONT everything heals without a restart.
+/// GetSession and DeleteSession are told UNAVAILABLE within the store's
+/// timeout; after SIGCONT everything heals without a restart.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_silent_database_ends_each_query_by_its_deadline_and_heals() {
     a_silent_database_ends_each_query_by_its_deadline_and_heals_("").await;
@@ -260,6 +261,8 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals_(extra: &st
         }
         ids
     };
+    // A session to delete while the database is frozen.
+    let spare = lattice.query_with(query("spare", None, Duration::from_secs(10))).await.session_id();
 
     cluster.freeze();
     let deadline = Duration::from_secs(2);
@@ -292,6 +295,17 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals_(extra: &st
         }
     }
     health_turns(&lattice, false, Duration::from_secs(5), "after the database froze").await;
+    // Reading and deleting a session wait for it `store_timeout_ms` (1 s)
+    // at most, and are told so.
+    let started = Instant::now();
+    let read = lattice.session_page(&sessions[0], 0, "").await;
+    assert_eq!(read.map(drop).map_err(|s| s.code()), Err(Code::Unavailable), "a read while frozen");
+    assert!(started.elapsed() < Duration::from_millis(2500), "a read held {:?}", started.elapsed());
+    let started = Instant::now();
+    let request = lattice_proto::agent::v1::DeleteSessionRequest { session_id: spare.clone() };
+    let deleted = lattice.client().await.delete_session(request).await;
+    assert_eq!(deleted.map(drop).map_err(|s| s.code()), Err(Code::Unavailable), "a delete while frozen");
+    assert!(started.elapsed() < Duration::from_millis(2500), "a delete held {:?}", started.elapsed());
 
     cluster.thaw();
     health_turns(&lattice, true, Duration::from_secs(10), "after the database thawed").await;
