@@ -49,6 +49,11 @@ fn query(prompt: &str, session: Option<&str>, timeout: Duration) -> QueryOpts {
 /// Runs `lattice serve` on `config` until it exits (at most 30 s): whether
 /// it exited 0, and what it wrote.
 async fn serve_until_exit(config: &str, url: &str) -> (bool, String) {
+    serve_until_exit_with(config, url, &[]).await
+}
+
+/// [`serve_until_exit`] with `env` set too.
+async fn serve_until_exit_with(config: &str, url: &str, env: &[(&str, &str)]) -> (bool, String) {
     let dir = temp_dir("pgserve");
     let path = dir.join("lattice.toml");
     std::fs::write(&path, lattice_tests::with_open_auth(config)).unwrap();
@@ -57,6 +62,7 @@ async fn serve_until_exit(config: &str, url: &str) -> (bool, String) {
         .arg(&path)
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "off"])
         .env(URL_ENV, url)
+        .envs(env.iter().copied())
         .output();
     let out = tokio::time::timeout(Duration::from_secs(30), run).await.expect("lattice serve did not exit").unwrap();
     let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
@@ -65,9 +71,10 @@ async fn serve_until_exit(config: &str, url: &str) -> (bool, String) {
 
 /// A database that accepts TLS only (`hostssl`, `hostnossl … reject`),
 /// reached with each `sslmode` as a provider's console gives it: verify-full
-/// and require connect and serve; a foreign CA, a certificate for another
-/// host, and no TLS at all are refused at start-up with the reason, never
-/// the connection string (its password included).
+/// (with a CA file, or `sslrootcert=system`), require, prefer and allow
+/// connect and serve; a foreign CA, a certificate for another host, and no
+/// TLS at all are refused at start-up with the reason, never the
+/// connection string (its password included).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tls_only_database_is_reached_as_sslmode_says() {
     let ca = TestCa::new("pg");
@@ -97,6 +104,13 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
         assert_eq!(stored.messages.len(), 2, "{params}");
         assert!(!lattice.process_logs().contains(&password), "{params}: the password reached the log");
     }
+    // `sslrootcert=system`: the system's CAs, here the test's CA as
+    // OpenSSL's SSL_CERT_FILE names it (as a distribution's bundle would
+    // hold a public CA).
+    let url = with("127.0.0.1", "sslmode=verify-full&sslrootcert=system");
+    let ca_file = ca.file.display().to_string();
+    let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str()), ("SSL_CERT_FILE", &ca_file)]).await;
+    assert_eq!(lattice.query("a", "over TLS").await.expect_ok().text, "seen 1", "sslrootcert=system");
 
     let foreign = TestCa::new("other");
     let exit = "on_unreachable = \"exit\"";
@@ -110,8 +124,11 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
             "does not name the host",
         ),
         (with("127.0.0.1", "sslmode=disable"), "requires TLS"),
+        // The system's CAs (here another CA's) do not include the test's.
+        (with("127.0.0.1", "sslmode=verify-full&sslrootcert=system"), "not signed by sslrootcert"),
     ] {
-        let (ok, said) = serve_until_exit(&config(0, exit), &url).await;
+        let system = [("SSL_CERT_FILE", foreign.file.to_str().unwrap_or_default())];
+        let (ok, said) = serve_until_exit_with(&config(0, exit), &url, &system).await;
         assert!(!ok, "{url}: started");
         assert!(said.contains(reason), "{url}: expected {reason:?} in:\n{said}");
         assert!(!said.contains(&password) && !said.contains(&url), "the connection string reached the output:\n{said}");
