@@ -240,6 +240,12 @@ impl Lattice {
         Self::spawn_with(config, env, None, false).await
     }
 
+    /// [`Lattice::spawn`], returning once health answers, SERVING or not
+    /// (a replica waiting for its database).
+    pub async fn spawn_answering(config: &str, env: &[(&str, &str)]) -> Lattice {
+        Self::spawn_until(config, env, None, false, false).await
+    }
+
     /// Spawns `lattice serve` as `deploy/` runs it, for benchmarks: its
     /// default logging, thrown away, and no trace (open auth added); the
     /// `lattice` built beside the running program, if there is one.
@@ -262,10 +268,22 @@ impl Lattice {
         tls: Option<tonic::transport::ClientTlsConfig>,
         quiet: bool,
     ) -> Lattice {
+        Self::spawn_until(config, env, tls, quiet, true).await
+    }
+
+    /// [`Lattice::spawn_with`], returning once health says SERVING
+    /// (`serving`) or answers at all.
+    async fn spawn_until(
+        config: &str,
+        env: &[(&str, &str)],
+        tls: Option<tonic::transport::ClientTlsConfig>,
+        quiet: bool,
+        serving: bool,
+    ) -> Lattice {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::spawn_once(config, env, tls.clone(), quiet).await {
+            match Self::spawn_once(config, env, tls.clone(), quiet, serving).await {
                 Ok(lattice) => return lattice,
                 Err(log) if attempt < 5 && log.contains("already in use") => continue,
                 Err(log) => panic!("lattice did not start:\n{log}"),
@@ -278,6 +296,7 @@ impl Lattice {
         env: &[(&str, &str)],
         tls: Option<tonic::transport::ClientTlsConfig>,
         quiet: bool,
+        serving: bool,
     ) -> Result<Lattice, String> {
         let dir = temp_dir("proc");
         let trace_dir = dir.join("traces");
@@ -317,7 +336,7 @@ impl Lattice {
             scratch: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(15);
-        while !lattice.healthy().await {
+        while !(if serving { lattice.healthy().await } else { lattice.health_answers().await }) {
             let exited = lattice.process.as_mut().is_some_and(|(c, _)| c.0.try_wait().ok().flatten().is_some());
             if exited || Instant::now() >= deadline {
                 return Err(std::fs::read_to_string(&log_path).unwrap_or_default());

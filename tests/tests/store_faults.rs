@@ -350,6 +350,34 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals_(extra: &st
     }
 }
 
+/// A replica started while its database is down (`on_unreachable =
+/// "wait"`, the default): it starts NOT_SERVING, tells queries UNAVAILABLE
+/// and logs why (never the connection string); once the database starts,
+/// it migrates the schema, turns SERVING and serves, without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_started_before_its_database_waits_for_it() {
+    let cluster = Cluster::private().await;
+    // A database never migrated: the replica's first contact must do it.
+    let url = cluster.database().await;
+    cluster.stop();
+    let lattice = Lattice::spawn_answering(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+    assert!(!lattice.serving().await && !lattice.serving_as("").await, "SERVING without its database");
+    assert!(lattice.serving_as("liveness").await, "liveness follows the process, not the database");
+    let out = lattice.query("a", "too soon").await;
+    assert_eq!(out.code(), Code::Unavailable, "{:?}", out.status);
+    let logs = lattice.process_logs();
+    assert!(logs.contains("session store unreachable at start-up"), "no word of it in the log:\n{logs}");
+    assert!(logs.contains("connection refused"), "no reason in the log:\n{logs}");
+
+    cluster.start().await;
+    health_turns(&lattice, true, Duration::from_secs(15), "after the database started").await;
+    assert_eq!(lattice.query("a", "now").await.expect_ok().text, "seen 1");
+    let client = connect(&url).await;
+    let version: i32 = client.query_one("SELECT max(version) FROM lattice_migrations", &[]).await.unwrap().get(0);
+    assert!(version > 0, "no schema version recorded");
+    assert!(!lattice.process_logs().contains(&url), "the connection string reached the log");
+}
+
 /// Waits until health says SERVING (`serving`) or NOT_SERVING, failing
 /// the test if it does not within `within` of now (`when` says of what).
 async fn health_turns(lattice: &Lattice, serving: bool, within: Duration, when: &str) {
