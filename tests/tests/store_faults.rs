@@ -705,3 +705,39 @@ async fn the_schema_is_migrated_by_command_and_a_newer_one_is_refused() {
         assert!(!ok && said.contains("schema is version 99, newer than this build"), "{keys}: {said}");
     }
 }
+
+/// Behind PgBouncer in transaction mode with the default settings (which
+/// prepare statements): the first statement the database has lost (or
+/// finds prepared twice) tells the store that prepared statements are not
+/// carried between transactions; from then on it sends them unnamed, says
+/// so once in the log, and every query succeeds.
+#[tokio::test(flavor = "multi_thread")]
+async fn behind_pgbouncer_in_transaction_mode_the_default_settings_work() {
+    let cluster = Cluster::shared().await;
+    let url = cluster.database().await;
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let bouncer = PgBouncer::transaction_pooling(cluster).await;
+    let through = format!("{}/{database}", bouncer.url);
+    let lattice = Arc::new(Lattice::spawn(&config(0, ""), &[(URL_ENV, through.as_str())]).await);
+    let mut clients = Vec::new();
+    for c in 0..8 {
+        let lattice = lattice.clone();
+        clients.push(tokio::spawn(async move {
+            let first = lattice.query_with(query(&format!("{c} 0"), None, Duration::from_secs(10))).await;
+            assert_eq!(first.expect_ok().text, "seen 1");
+            let sid = first.session_id();
+            for i in 1..20 {
+                let out = lattice.query_with(query(&format!("{c} {i}"), Some(&sid), Duration::from_secs(10))).await;
+                assert_eq!(out.expect_ok().text, format!("seen {}", 2 * i + 1));
+            }
+            sid
+        }));
+    }
+    for client in clients {
+        let sid = client.await.unwrap();
+        assert_eq!(lattice.session(&sid).await.unwrap().messages.len(), 40);
+    }
+    let logs = lattice.process_logs();
+    let said = logs.matches("statements are sent unnamed from now on").count();
+    assert_eq!(said, 1, "the switch should be logged once:\n{logs}");
+}

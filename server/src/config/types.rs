@@ -71,9 +71,10 @@ pub struct PostgresSettings {
     /// Whether start-up brings the schema up to date (else it only checks
     /// that the schema is the one this build knows).
     pub migrate: bool,
-    /// Whether statements are prepared once per connection and cached
-    /// (else sent unnamed with their types: PgBouncer's transaction
-    /// pooling before 1.21 carries no prepared statement).
+    /// Whether statements are prepared once per connection and cached,
+    /// until the database shows it does not keep them (else sent unnamed
+    /// with their types from the start: PgBouncer's transaction pooling
+    /// before 1.21 carries no prepared statement).
     pub prepared_statements: bool,
 }
 

@@ -1,10 +1,18 @@
 //! A connection (pooled, or shared by queries' statements) and the
 //! statements sent on it: prepared once per connection, or unnamed with
-//! their types (PgBouncer's transaction pooling); how a failure is logged
+//! their types (PgBouncer's transaction pooling, configured or found out);
+//! how a failure is logged
 //! (the reason, never a value or the connection string); and the bound
 //! every wait on the database has.
 
-use std::{future::Future, ops::Deref, sync::Mutex};
+use std::{
+    future::Future,
+    ops::Deref,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+};
 
 use deadpool_postgres::ClientWrapper;
 
@@ -81,11 +89,50 @@ impl Statements {
     }
 }
 
+/// Whether statements are prepared once per connection: as configured
+/// (`[sessions] prepared_statements`), until the database shows that it
+/// does not keep them between transactions (a pooler in transaction mode:
+/// PgBouncer before 1.21). From then on they are sent unnamed with their
+/// types, for good.
+#[derive(Debug)]
+pub(super) struct Prepared(AtomicBool);
+
+impl Prepared {
+    pub(super) fn new(configured: bool) -> Self {
+        Self(AtomicBool::new(configured))
+    }
+
+    fn on(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// `e` came back for a prepared statement: if it says the database
+    /// lost the statement, or found its name taken (another connection's,
+    /// through a pooler), statements are sent unnamed from now on, and
+    /// true: the statement did not run, and may be sent again.
+    fn lost(&self, e: &tokio_postgres::Error) -> bool {
+        let code = e.as_db_error().map(|db| db.code().code());
+        if !matches!(code, Some("26000" | "42P05")) {
+            return false;
+        }
+        if self.0.swap(false, Ordering::Relaxed) {
+            warn!(
+                sqlstate = code.unwrap_or_default(),
+                "the database does not keep prepared statements between transactions (a pooler in transaction \
+                 mode, such as PgBouncer before 1.21): statements are sent unnamed from now on; set [sessions] \
+                 prepared_statements = false to start so"
+            );
+        }
+        true
+    }
+}
+
 /// A connection and how statements are sent on it.
 pub(super) struct Conn<'a> {
     pub(super) client: Handle<'a>,
-    /// Prepared and cached per connection, or unnamed with their types.
-    pub(super) prepared: bool,
+    /// Whether statements are prepared and cached per connection, or sent
+    /// unnamed with their types.
+    pub(super) prepared: &'a Prepared,
 }
 
 impl Conn<'_> {
@@ -129,14 +176,24 @@ impl Conn<'_> {
         sql: &'static str,
         params: &[Param<'_>],
     ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
-        if self.prepared {
-            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
-            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
-            let statement = self.client.statements().prepared(&self.client, sql, &types).await?;
-            self.client.query(&statement, &values).await
-        } else {
-            self.client.query_typed(sql, params).await
+        if self.prepared.on() {
+            let sent = async {
+                let statement = self.prepare(sql, params).await?;
+                let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+                self.client.query(&statement, &values).await
+            };
+            match sent.await {
+                Err(e) if self.prepared.lost(&e) => {}
+                answer => return answer,
+            }
         }
+        self.client.query_typed(sql, params).await
+    }
+
+    /// `sql` prepared on this connection, with the types of `params`.
+    async fn prepare(&self, sql: &'static str, params: &[Param<'_>]) -> Result<Statement, tokio_postgres::Error> {
+        let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+        self.client.statements().prepared(&self.client, sql, &types).await
     }
 
     /// At most one row.
@@ -149,14 +206,18 @@ impl Conn<'_> {
     }
 
     async fn exec_now(&self, sql: &'static str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
-        if self.prepared {
-            let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
-            let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
-            let statement = self.client.statements().prepared(&self.client, sql, &types).await?;
-            self.client.execute(&statement, &values).await
-        } else {
-            self.client.execute_typed(sql, params).await
+        if self.prepared.on() {
+            let sent = async {
+                let statement = self.prepare(sql, params).await?;
+                let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+                self.client.execute(&statement, &values).await
+            };
+            match sent.await {
+                Err(e) if self.prepared.lost(&e) => {}
+                answer => return answer,
+            }
         }
+        self.client.execute_typed(sql, params).await
     }
 }
 

@@ -39,7 +39,9 @@
 //! false`, sent with their parameter types as unnamed statements (one round
 //! trip, planned each time): what PgBouncer's transaction pooling needs
 //! before 1.21, which does not carry prepared statements between
-//! transactions.
+//! transactions. The store finds that out by itself, too: a prepared
+//! statement the database lost (or finds taken) did not run, and is sent
+//! again unnamed, as every statement is from then on (see `conn`).
 //!
 //! Errors never carry the connection string: a failure is "the session
 //! store (postgres) is unavailable", logged with the reason (a SQLSTATE, a
@@ -68,7 +70,7 @@ use std::{
 };
 
 use acquire::Holder;
-use conn::{Conn, Handle, Param, bounded, db, pool_error, pool_reason};
+use conn::{Conn, Handle, Param, Prepared, bounded, db, pool_error, pool_reason};
 use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
 use pool::Pool;
@@ -110,7 +112,7 @@ pub struct Inner {
     /// How long any statement but a query's lease and commit may wait.
     timeout: Duration,
     /// Whether statements are prepared and cached per connection.
-    prepared: bool,
+    prepared: Arc<Prepared>,
     /// The connections queries' own statements share, if any (else they
     /// take pooled ones).
     shared: Option<Arc<shared::Shared>>,
@@ -222,7 +224,7 @@ impl PostgresStore {
             lease_ttl,
             idle_ttl,
             timeout,
-            prepared: settings.prepared_statements,
+            prepared: Arc::new(Prepared::new(settings.prepared_statements)),
             shared,
             migrate: settings.migrate,
             cache,
@@ -309,7 +311,7 @@ impl PostgresStore {
     /// A connection from the pool, for `what`.
     async fn conn(&self, what: &'static str) -> Result<Conn<'_>, StoreError> {
         let client = self.pool.get().await.map_err(pool_error(what))?;
-        Ok(Conn { client: Handle::Pooled(Box::new(client)), prepared: self.prepared })
+        Ok(Conn { client: Handle::Pooled(Box::new(client)), prepared: &self.prepared })
     }
 
     /// A connection for a query's own statements (`what`): a shared one,
@@ -317,7 +319,7 @@ impl PostgresStore {
     async fn query_conn(&self, what: &'static str) -> Result<Conn<'_>, StoreError> {
         let Some(shared) = &self.shared else { return self.conn(what).await };
         let lent = shared.get().await.map_err(db(what))?;
-        Ok(Conn { client: Handle::Shared(lent), prepared: self.prepared })
+        Ok(Conn { client: Handle::Shared(lent), prepared: &self.prepared })
     }
 
     /// The deadline of a statement that has only the store's timeout.
