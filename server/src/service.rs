@@ -548,7 +548,6 @@ impl AgentService for AgentSvc {
         self.store.delete_as(&id, self.owner(&principal)).await.map_err(|e: StoreError| status::store_error(&e))?;
         let runtime = self.live.current();
         runtime.tracer().delete(&id).await;
-        runtime.tracer().flush().await;
         info!(session_id = %id, "session deleted");
         Ok(Response::new(pb::DeleteSessionResponse {}))
     }

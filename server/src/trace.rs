@@ -14,7 +14,9 @@
 //! finds them), at most [`FLUSH_WAIT`], and not at all while the writer is
 //! stalled. A session's file is rotated to `SESSION.jsonl.1` before a whole
 //! request that would take it past `server.trace_max_file_bytes` (and before
-//! any line that would take it past twice that), deleted with its session, and files
+//! any line that would take it past twice that), deleted with its session
+//! (`DeleteSession` returns once they are gone, waiting [`DELETE_WAIT`] at
+//! most; a deletion is never dropped, even from a full queue), and files
 //! untouched for `server.trace_max_age_s` are removed. A file removed or
 //! replaced is closed on a second thread, where its blocks are freed (tens
 //! of milliseconds for a large one), so that no flush waits for that.
@@ -208,6 +210,9 @@ struct Line<'a> {
 /// How long a query's end waits for its trace lines to be written.
 pub const FLUSH_WAIT: Duration = Duration::from_millis(100);
 
+/// How long deleting a session waits for its trace files to be deleted.
+pub const DELETE_WAIT: Duration = Duration::from_secs(5);
+
 /// How often files past their age are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(600);
 
@@ -269,11 +274,20 @@ impl Tracer {
         self.writer.as_ref().map(|w| w.shared.dropped.clone())
     }
 
-    /// Deletes a session's trace files, if this replica wrote any.
+    /// Deletes a session's trace files, if this replica wrote any, and
+    /// waits until they are gone: at most [`DELETE_WAIT`]. Unlike a line,
+    /// a deletion is never dropped: a full queue is waited for (on a
+    /// blocking thread, which queues it even after the wait ends), and a
+    /// stalled writer deletes the files when it catches up.
     pub async fn delete(&self, session_id: &str) {
-        if let Some(w) = &self.writer {
-            w.shared.chains.end(session_id);
-            w.send(Op::Delete(session_id.to_owned()));
+        let Some(w) = &self.writer else { return };
+        w.shared.chains.end(session_id);
+        let (done, deleted) = tokio::sync::oneshot::channel();
+        let (tx, op) = (w.tx.clone(), Op::Delete(session_id.to_owned(), done));
+        let queued = tokio::task::spawn_blocking(move || tx.send(op).is_ok());
+        let waited = async { if queued.await.unwrap_or(false) { deleted.await.is_ok() } else { false } };
+        if !tokio::time::timeout(DELETE_WAIT, waited).await.unwrap_or(false) {
+            warn!(session_id, "trace writer behind: the session's trace files are deleted when it catches up");
         }
     }
 

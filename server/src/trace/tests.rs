@@ -41,6 +41,36 @@ async fn a_stuck_writer_costs_one_flush_wait_and_then_nothing() {
     assert_eq!(again.elapsed(), Duration::ZERO, "a stalled writer is not waited for again");
 }
 
+/// Deleting a session while the writer is behind (its queue full) waits
+/// for the writer, which then deletes the session's files: the deletion is
+/// neither dropped nor answered before the files are gone.
+#[tokio::test]
+async fn a_deletion_waits_for_a_writer_behind_and_is_never_dropped() -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("lattice-trace-delete-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let files = [dir.join("gone.jsonl"), dir.join("gone.jsonl.1")];
+    for file in &files {
+        std::fs::write(file, "{}\n").map_err(|e| e.to_string())?;
+    }
+    // A queue of one, full, and its writer not started yet (a disk behind).
+    let (tracer, rx) = stuck(1);
+    tracer.emit(&scope(), TraceEvent::Error { code: "OK", message: "m" }).await;
+    let shared = tracer.writer.as_ref().map(|w| w.shared.clone()).ok_or("no writer")?;
+    let deleting = {
+        let tracer = tracer.clone();
+        tokio::spawn(async move { tracer.delete("gone").await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!deleting.is_finished(), "the deletion returned while the writer had not taken it");
+    let settings =
+        TraceSettings { dir: dir.clone(), queue_events: 1, max_file_bytes: 1 << 20, max_age: Duration::from_secs(60) };
+    std::thread::spawn(move || write_loop(settings, rx, shared));
+    deleting.await.map_err(|e| e.to_string())?;
+    assert!(files.iter().all(|f| !f.exists()), "the session's trace files are still there");
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
 /// A writer that works answers a flush once every line before it is
 /// on disk, in order.
 #[tokio::test]

@@ -11,7 +11,8 @@ pub(super) enum Op {
         line: String,
         kind: LineKind,
     },
-    Delete(String),
+    /// A session's files to delete, and who waits for that.
+    Delete(String, tokio::sync::oneshot::Sender<()>),
     Flush(tokio::sync::oneshot::Sender<()>),
 }
 
@@ -98,7 +99,7 @@ pub(super) fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, shared
                     broken.insert(session);
                 }
             }
-            Op::Delete(session) => {
+            Op::Delete(session, done) => {
                 broken.remove(&session);
                 shared.chains.end(&session);
                 for name in [format!("{session}.jsonl"), format!("{session}.jsonl.1")] {
@@ -109,6 +110,7 @@ pub(super) fn write_loop(settings: TraceSettings, rx: mpsc::Receiver<Op>, shared
                         Err(e) => warn!(path = %path.display(), error = %e, "cannot delete trace file"),
                     }
                 }
+                let _ = done.send(());
             }
             Op::Flush(done) => {
                 let _ = done.send(());
