@@ -707,10 +707,10 @@ async fn the_schema_is_migrated_by_command_and_a_newer_one_is_refused() {
 }
 
 /// Behind PgBouncer in transaction mode with the default settings (which
-/// prepare statements): the first statement the database has lost (or
-/// finds prepared twice) tells the store that prepared statements are not
-/// carried between transactions; from then on it sends them unnamed, says
-/// so once in the log, and every query succeeds.
+/// prepare and pipeline statements): the store finds the pooler at
+/// start-up and sends statements unnamed, one at a time on each
+/// connection; it says so once in the log, and every query succeeds and is
+/// stored once. A plain TCP proxy is not taken for a pooler.
 #[tokio::test(flavor = "multi_thread")]
 async fn behind_pgbouncer_in_transaction_mode_the_default_settings_work() {
     let cluster = Cluster::shared().await;
@@ -738,6 +738,19 @@ async fn behind_pgbouncer_in_transaction_mode_the_default_settings_work() {
         assert_eq!(lattice.session(&sid).await.unwrap().messages.len(), 40);
     }
     let logs = lattice.process_logs();
-    let said = logs.matches("statements are sent unnamed from now on").count();
+    let said = logs.matches("statements are sent unnamed, one at a time on each connection, from now on").count();
     assert_eq!(said, 1, "the switch should be logged once:\n{logs}");
+
+    // Configured for it, the pooler is found and said all the same; a
+    // plain TCP proxy in front of the database is no pooler.
+    let configured = config(0, "prepared_statements = false");
+    let unnamed = Lattice::spawn(&configured, &[(URL_ENV, through.as_str())]).await;
+    unnamed.query("a", "hi").await.expect_ok();
+    let said = "reached through a pooler in transaction mode: statements are sent one at a time on each connection";
+    assert!(unnamed.process_logs().contains(said), "no word of the pooler:\n{}", unnamed.process_logs());
+    let proxy = ResetProxy::start(format!("127.0.0.1:{}", cluster.port()).parse().unwrap()).await;
+    let proxied = format!("postgres://postgres@{}/{database}", proxy.addr);
+    let direct = Lattice::spawn(&config(0, ""), &[(URL_ENV, proxied.as_str())]).await;
+    direct.query("a", "hi").await.expect_ok();
+    assert!(!direct.process_logs().contains("reached through a pooler"), "a TCP proxy taken for a pooler");
 }

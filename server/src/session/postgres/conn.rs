@@ -21,7 +21,7 @@ use tokio_postgres::{
     Statement,
     types::{ToSql, Type},
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::{connect, pool::Object, shared::Lent};
 use crate::session::StoreError;
@@ -89,40 +89,77 @@ impl Statements {
     }
 }
 
-/// Whether statements are prepared once per connection: as configured
-/// (`[sessions] prepared_statements`), until the database shows that it
-/// does not keep them between transactions (a pooler in transaction mode:
-/// PgBouncer before 1.21). From then on they are sent unnamed with their
-/// types, for good.
+/// How statements are sent: prepared once per connection or unnamed
+/// (`[sessions] prepared_statements`), and several at once on shared
+/// connections or one at a time on pooled ones (`pipeline_connections`).
+///
+/// Neither is safe through a pooler in transaction mode (PgBouncer's
+/// `pool_mode = transaction`), which hands each transaction to whichever
+/// server connection is free: a statement prepared on one is unknown on
+/// the next, and PgBouncer (1.18 at least) can answer a statement sent
+/// while an earlier one of its connection is finishing with another
+/// client's reply. So statements are pipelined only once the store has
+/// found no such pooler (see `pooler`), and both are turned off, for good,
+/// when it finds one, then or later (a prepared statement lost).
 #[derive(Debug)]
-pub(super) struct Prepared(AtomicBool);
+pub(super) struct Mode {
+    prepared: AtomicBool,
+    pipelined: AtomicBool,
+}
 
-impl Prepared {
-    pub(super) fn new(configured: bool) -> Self {
-        Self(AtomicBool::new(configured))
+impl Mode {
+    /// Statements prepared as configured, and not pipelined until
+    /// [`Mode::direct`].
+    pub(super) fn new(prepared: bool) -> Self {
+        Self { prepared: AtomicBool::new(prepared), pipelined: AtomicBool::new(false) }
     }
 
-    fn on(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+    fn prepared(&self) -> bool {
+        self.prepared.load(Ordering::Relaxed)
+    }
+
+    /// Whether a query's statements may go on shared connections.
+    pub(super) fn pipelined(&self) -> bool {
+        self.pipelined.load(Ordering::Relaxed)
+    }
+
+    /// No pooler in transaction mode in front of the database: statements
+    /// may be pipelined.
+    pub(super) fn direct(&self) {
+        self.pipelined.store(true, Ordering::Relaxed);
+    }
+
+    /// A pooler in transaction mode is in front of the database (`how` it
+    /// showed): statements are sent unnamed, one at a time on a
+    /// connection, from now on. Said once.
+    pub(super) fn transaction_pooler(&self, how: &str) {
+        self.pipelined.store(false, Ordering::Relaxed);
+        if self.prepared.swap(false, Ordering::Relaxed) {
+            warn!(
+                how,
+                "the database is reached through a pooler in transaction mode (such as PgBouncer with pool_mode = \
+                 transaction): statements are sent unnamed, one at a time on each connection, from now on; set \
+                 [sessions] prepared_statements = false to start so"
+            );
+        } else {
+            info!(
+                how,
+                "the database is reached through a pooler in transaction mode: statements are sent one at a time on \
+                 each connection"
+            );
+        }
     }
 
     /// `e` came back for a prepared statement: if it says the database
     /// lost the statement, or found its name taken (another connection's,
-    /// through a pooler), statements are sent unnamed from now on, and
-    /// true: the statement did not run, and may be sent again.
+    /// through a pooler), a pooler in transaction mode is in front of it,
+    /// and true: the statement did not run, and may be sent again.
     fn lost(&self, e: &tokio_postgres::Error) -> bool {
         let code = e.as_db_error().map(|db| db.code().code());
         if !matches!(code, Some("26000" | "42P05")) {
             return false;
         }
-        if self.0.swap(false, Ordering::Relaxed) {
-            warn!(
-                sqlstate = code.unwrap_or_default(),
-                "the database does not keep prepared statements between transactions (a pooler in transaction \
-                 mode, such as PgBouncer before 1.21): statements are sent unnamed from now on; set [sessions] \
-                 prepared_statements = false to start so"
-            );
-        }
+        self.transaction_pooler(&format!("a prepared statement lost (SQLSTATE {})", code.unwrap_or_default()));
         true
     }
 }
@@ -130,9 +167,8 @@ impl Prepared {
 /// A connection and how statements are sent on it.
 pub(super) struct Conn<'a> {
     pub(super) client: Handle<'a>,
-    /// Whether statements are prepared and cached per connection, or sent
-    /// unnamed with their types.
-    pub(super) prepared: &'a Prepared,
+    /// How statements are sent.
+    pub(super) mode: &'a Mode,
 }
 
 impl Conn<'_> {
@@ -176,14 +212,14 @@ impl Conn<'_> {
         sql: &'static str,
         params: &[Param<'_>],
     ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
-        if self.prepared.on() {
+        if self.mode.prepared() {
             let sent = async {
                 let statement = self.prepare(sql, params).await?;
                 let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
                 self.client.query(&statement, &values).await
             };
             match sent.await {
-                Err(e) if self.prepared.lost(&e) => {}
+                Err(e) if self.mode.lost(&e) => {}
                 answer => return answer,
             }
         }
@@ -206,14 +242,14 @@ impl Conn<'_> {
     }
 
     async fn exec_now(&self, sql: &'static str, params: &[Param<'_>]) -> Result<u64, tokio_postgres::Error> {
-        if self.prepared.on() {
+        if self.mode.prepared() {
             let sent = async {
                 let statement = self.prepare(sql, params).await?;
                 let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
                 self.client.execute(&statement, &values).await
             };
             match sent.await {
-                Err(e) if self.prepared.lost(&e) => {}
+                Err(e) if self.mode.lost(&e) => {}
                 answer => return answer,
             }
         }

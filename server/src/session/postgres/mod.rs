@@ -32,7 +32,9 @@
 //!
 //! A query's own statements (its lease, renewals, commit, release and
 //! read-back) share a few connections, several in flight on each (see
-//! `shared`); everything else takes a pooled connection of its own.
+//! `shared`), once the store has found no pooler in transaction mode in
+//! front of the database (see `pooler`); everything else takes a pooled
+//! connection of its own.
 //!
 //! Statements are prepared once per connection and cached (each then runs in
 //! one round trip, planned once), or, with `[sessions] prepared_statements =
@@ -56,6 +58,7 @@ mod keeper;
 mod kept;
 mod lease;
 mod pool;
+mod pooler;
 mod renew;
 mod schema;
 mod shared;
@@ -70,7 +73,7 @@ use std::{
 };
 
 use acquire::Holder;
-use conn::{Conn, Handle, Param, Prepared, bounded, db, pool_error, pool_reason};
+use conn::{Conn, Handle, Mode, Param, bounded, db, pool_error, pool_reason};
 use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
 use pool::Pool;
@@ -111,8 +114,11 @@ pub struct Inner {
     idle_ttl: Duration,
     /// How long any statement but a query's lease and commit may wait.
     timeout: Duration,
-    /// Whether statements are prepared and cached per connection.
-    prepared: Arc<Prepared>,
+    /// How statements are sent: prepared or not, pipelined or not.
+    mode: Arc<Mode>,
+    /// How new connections are made (for the pooler probe).
+    pg: tokio_postgres::Config,
+    connector: connect::Connector,
     /// The connections queries' own statements share, if any (else they
     /// take pooled ones).
     shared: Option<Arc<shared::Shared>>,
@@ -202,6 +208,7 @@ impl PostgresStore {
             pg.tcp_user_timeout(timeout);
         }
         let connector = connect::Connector::new(target.tls);
+        let (pg_probe, connector_probe) = (pg.clone(), connector.clone());
         let shared = (settings.pipeline_connections > 0)
             .then(|| Arc::new(shared::Shared::new(pg.clone(), connector.clone(), settings.pipeline_connections)));
         let manager = pool::Manager(deadpool_postgres::Manager::from_connect(
@@ -224,7 +231,9 @@ impl PostgresStore {
             lease_ttl,
             idle_ttl,
             timeout,
-            prepared: Arc::new(Prepared::new(settings.prepared_statements)),
+            mode: Arc::new(Mode::new(settings.prepared_statements)),
+            pg: pg_probe,
+            connector: connector_probe,
             shared,
             migrate: settings.migrate,
             cache,
@@ -279,15 +288,17 @@ impl PostgresStore {
     }
 
     /// Makes the schema usable: brings it up to date with `migrate =
-    /// "auto"`, else checks that it is this build's (within the store's
-    /// timeout).
+    /// "auto"`, else checks that it is this build's; then looks for a
+    /// pooler in transaction mode in front of the database (statements are
+    /// pipelined only once none is found). Within the store's timeout.
     pub async fn prepare_schema(&self) -> Result<(), SchemaError> {
         let work = async {
             if self.migrate {
-                schema::migrate(&self.pool, schema::VERSION).await.map(drop)
+                schema::migrate(&self.pool, schema::VERSION).await?;
             } else {
-                schema::check(&self.pool).await
+                schema::check(&self.pool).await?;
             }
+            self.find_pooler().await.map_err(SchemaError::Unreachable)
         };
         tokio::time::timeout(self.timeout, work)
             .await
@@ -295,10 +306,13 @@ impl PostgresStore {
     }
 
     /// Brings the schema up to date (idempotent; safe from many replicas),
-    /// whatever `migrate` says: `lattice migrate`. Returns the versions
-    /// applied.
+    /// whatever `migrate` says: `lattice migrate`; then looks for a pooler
+    /// in transaction mode, as [`PostgresStore::prepare_schema`] does.
+    /// Returns the versions applied.
     pub async fn migrate(&self) -> Result<Vec<i32>, SchemaError> {
-        schema::migrate(&self.pool, schema::VERSION).await
+        let applied = schema::migrate(&self.pool, schema::VERSION).await?;
+        self.find_pooler().await.map_err(SchemaError::Unreachable)?;
+        Ok(applied)
     }
 
     /// [`PostgresStore::migrate`] up to `version` at most (this build's at
@@ -311,15 +325,17 @@ impl PostgresStore {
     /// A connection from the pool, for `what`.
     async fn conn(&self, what: &'static str) -> Result<Conn<'_>, StoreError> {
         let client = self.pool.get().await.map_err(pool_error(what))?;
-        Ok(Conn { client: Handle::Pooled(Box::new(client)), prepared: &self.prepared })
+        Ok(Conn { client: Handle::Pooled(Box::new(client)), mode: &self.mode })
     }
 
     /// A connection for a query's own statements (`what`): a shared one,
     /// if there are any, else one from the pool.
     async fn query_conn(&self, what: &'static str) -> Result<Conn<'_>, StoreError> {
-        let Some(shared) = &self.shared else { return self.conn(what).await };
+        let Some(shared) = self.shared.as_ref().filter(|_| self.mode.pipelined()) else {
+            return self.conn(what).await;
+        };
         let lent = shared.get().await.map_err(db(what))?;
-        Ok(Conn { client: Handle::Shared(lent), prepared: &self.prepared })
+        Ok(Conn { client: Handle::Shared(lent), mode: &self.mode })
     }
 
     /// The deadline of a statement that has only the store's timeout.

@@ -1,0 +1,86 @@
+//! Whether the database is reached through a pooler in transaction mode
+//! (PgBouncer's `pool_mode = transaction`), which hands each transaction of
+//! a client connection to whichever server connection is free. Through one,
+//! statements must be sent unnamed and one at a time on a connection (see
+//! `conn::Mode`).
+//!
+//! Two connections of the probe's own show it: the first runs a
+//! transaction, then the second opens one and keeps it open. Connected
+//! directly (or through a session pooler, or a plain TCP proxy), each has
+//! a server process of its own: the second's differs from the first's, and
+//! the first's next transaction runs at once, on its own process. Through a
+//! transaction pooler, the second takes a server connection the pool has
+//! free, the one the first just gave back (PgBouncer reuses the most
+//! recently freed first), so both report the same process; or, if it took
+//! another, the first's next transaction runs on another process, or waits
+//! for one (the pool is full). Any of those is a transaction pooler.
+
+use std::time::Duration;
+
+use deadpool_postgres::Connect;
+use tokio_postgres::{Client, SimpleQueryMessage};
+use tracing::debug;
+
+use super::{PostgresStore, connect};
+
+/// How long the probe lets the pooler take the first connection's server
+/// connection back before the second asks for one.
+const HAND_BACK: Duration = Duration::from_millis(20);
+
+/// How long the first connection's second transaction may wait for a
+/// server connection before the wait itself shows a pooler.
+const WAIT: Duration = Duration::from_millis(500);
+
+impl PostgresStore {
+    /// Probes for a pooler in transaction mode (see the module docs): if
+    /// one is found, statements are sent unnamed, one at a time on each
+    /// connection; if not, they may be pipelined. Err: the reason the
+    /// database could not be asked.
+    pub(super) async fn find_pooler(&self) -> Result<(), String> {
+        if let Some(how) = self.transaction_pooled().await?.filter(|_| !self.mode.pipelined()) {
+            self.mode.transaction_pooler(how);
+        } else {
+            debug!("no pooler in transaction mode in front of the database");
+            self.mode.direct();
+        }
+        Ok(())
+    }
+
+    /// How the probe found a pooler in transaction mode, if it did.
+    async fn transaction_pooled(&self) -> Result<Option<&'static str>, String> {
+        let connect = async || self.connector.connect(&self.pg).await.map_err(|e| connect::reason(&e));
+        let (first, first_task) = connect().await?;
+        let (second, second_task) = connect().await?;
+        let probe = async {
+            let before = process(&first).await?;
+            tokio::time::sleep(HAND_BACK).await;
+            second.simple_query("BEGIN").await.map_err(|e| connect::reason(&e))?;
+            if process(&second).await? == before {
+                return Ok(Some("a second connection was served by the first's server process"));
+            }
+            match tokio::time::timeout(WAIT, process(&first)).await {
+                Ok(after) => {
+                    Ok((after? != before).then_some("a connection's next transaction ran on another server process"))
+                }
+                Err(_) => Ok(Some("a connection's next transaction waited for another's")),
+            }
+        };
+        let pooled = probe.await;
+        drop((first, second));
+        first_task.abort();
+        second_task.abort();
+        pooled
+    }
+}
+
+/// The server process serving `client`'s transaction.
+async fn process(client: &Client) -> Result<i32, String> {
+    let messages = client.simple_query("SELECT pg_backend_pid()").await.map_err(|e| connect::reason(&e))?;
+    messages
+        .iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
+            _ => None,
+        })
+        .ok_or_else(|| "pg_backend_pid() gave no row".to_owned())
+}
