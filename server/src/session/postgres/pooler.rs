@@ -15,7 +15,7 @@
 //! another, the first's next transaction runs on another process, or waits
 //! for one (the pool is full). Any of those is a transaction pooler.
 
-use std::time::Duration;
+use std::{future::Future, time::Duration};
 
 use deadpool_postgres::Connect;
 use tokio_postgres::{Client, SimpleQueryMessage};
@@ -55,21 +55,32 @@ impl PostgresStore {
             let before = process(&first).await?;
             tokio::time::sleep(HAND_BACK).await;
             second.simple_query("BEGIN").await.map_err(|e| connect::reason(&e))?;
-            if process(&second).await? == before {
-                return Ok(Some("a second connection was served by the first's server process"));
-            }
-            match tokio::time::timeout(WAIT, process(&first)).await {
-                Ok(after) => {
-                    Ok((after? != before).then_some("a connection's next transaction ran on another server process"))
-                }
-                Err(_) => Ok(Some("a connection's next transaction waited for another's")),
-            }
+            verdict(before, process(&second).await?, process(&first)).await
         };
         let pooled = probe.await;
         drop((first, second));
         first_task.abort();
         second_task.abort();
         pooled
+    }
+}
+
+/// What the probe shows, given the server process of the first
+/// connection's transaction (`before`), of the second's open one
+/// (`second`), and the first's next transaction (`next`, which may wait
+/// for a server connection): how a pooler in transaction mode showed, or
+/// None.
+async fn verdict(
+    before: i32,
+    second: i32,
+    next: impl Future<Output = Result<i32, String>>,
+) -> Result<Option<&'static str>, String> {
+    if second == before {
+        return Ok(Some("a second connection was served by the first's server process"));
+    }
+    match tokio::time::timeout(WAIT, next).await {
+        Ok(after) => Ok((after? != before).then_some("a connection's next transaction ran on another server process")),
+        Err(_) => Ok(Some("a connection's next transaction waited for another's")),
     }
 }
 
@@ -83,4 +94,26 @@ async fn process(client: &Client) -> Result<i32, String> {
             _ => None,
         })
         .ok_or_else(|| "pg_backend_pid() gave no row".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Direct: a process of each connection's own, and the first's next
+    /// transaction on its own, at once. A pooler: a process shared, the
+    /// next transaction moved, or kept waiting [`WAIT`] (and no longer).
+    #[tokio::test(start_paused = true)]
+    async fn a_pooler_shows_by_a_shared_process_a_move_or_a_wait() {
+        let start = tokio::time::Instant::now();
+        assert_eq!(verdict(7, 8, async { Ok(7) }).await, Ok(None));
+        assert!(verdict(7, 7, std::future::pending()).await.is_ok_and(|v| v.is_some()));
+        assert!(verdict(7, 8, async { Ok(9) }).await.is_ok_and(|v| v.is_some()));
+        assert_eq!(start.elapsed(), Duration::ZERO, "no answer waited for");
+        let waited = verdict(7, 8, std::future::pending()).await;
+        assert_eq!(waited, Ok(Some("a connection's next transaction waited for another's")));
+        assert_eq!(start.elapsed(), WAIT);
+        let failed = verdict(7, 8, async { Err("the connection was closed".to_owned()) }).await;
+        assert_eq!(failed, Err("the connection was closed".to_owned()));
+    }
 }
