@@ -237,43 +237,33 @@ impl Lattice {
     /// variables; its logs (RUST_LOG=trace) go to a file, see
     /// [`Lattice::process_logs`].
     pub async fn spawn(config: &str, env: &[(&str, &str)]) -> Lattice {
-        Self::spawn_with(config, env, None, false).await
+        Self::spawn_with(config, env, None, false, true).await
     }
 
     /// [`Lattice::spawn`], returning once health answers, SERVING or not
     /// (a replica waiting for its database).
     pub async fn spawn_answering(config: &str, env: &[(&str, &str)]) -> Lattice {
-        Self::spawn_until(config, env, None, false, false).await
+        Self::spawn_with(config, env, None, false, false).await
     }
 
     /// Spawns `lattice serve` as `deploy/` runs it, for benchmarks: its
     /// default logging, thrown away, and no trace (open auth added); the
     /// `lattice` built beside the running program, if there is one.
     pub async fn spawn_untraced(config: &str, env: &[(&str, &str)]) -> Lattice {
-        Self::spawn_with(config, env, None, true).await
+        Self::spawn_with(config, env, None, true, true).await
     }
 
     /// [`Lattice::spawn`] for a config with `[server.tls]`: its clients
     /// (health checks included) connect with `tls`.
     pub async fn spawn_tls(config: &str, env: &[(&str, &str)], tls: tonic::transport::ClientTlsConfig) -> Lattice {
-        Self::spawn_with(config, env, Some(tls), false).await
+        Self::spawn_with(config, env, Some(tls), false, true).await
     }
 
-    /// Spawns `lattice serve` (`quiet`: see [`Lattice::spawn_untraced`]);
+    /// Spawns `lattice serve` (`quiet`: see [`Lattice::spawn_untraced`]),
+    /// returning once health says SERVING (`serving`) or answers at all;
     /// a port another test took between our probe and the bind (see
     /// [`free_addr`]) is retried with others.
     async fn spawn_with(
-        config: &str,
-        env: &[(&str, &str)],
-        tls: Option<tonic::transport::ClientTlsConfig>,
-        quiet: bool,
-    ) -> Lattice {
-        Self::spawn_until(config, env, tls, quiet, true).await
-    }
-
-    /// [`Lattice::spawn_with`], returning once health says SERVING
-    /// (`serving`) or answers at all.
-    async fn spawn_until(
         config: &str,
         env: &[(&str, &str)],
         tls: Option<tonic::transport::ClientTlsConfig>,

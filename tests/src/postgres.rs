@@ -152,10 +152,8 @@ impl Cluster {
     /// Ends every client connection but the one asking (as a failover or
     /// an operator does): how many were ended.
     pub async fn cut_connections(&self) -> i64 {
-        let (client, connection) =
-            tokio_postgres::connect(&self.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
-        tokio::spawn(connection);
-        let ended = client
+        let ended = connect(&self.admin_url("postgres"))
+            .await
             .query_one(
                 "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
                  WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
@@ -536,9 +534,7 @@ mod tests {
         let two_hours_ago = since_epoch() - Duration::from_secs(7200).as_nanos();
         let gone = format!("lattice_test_{}_0_{two_hours_ago}", child.id());
         let recent = database_name(child.id(), 1);
-        let (client, connection) =
-            tokio_postgres::connect(&cluster.admin_url("postgres"), tokio_postgres::NoTls).await.unwrap();
-        tokio::spawn(connection);
+        let client = connect(&cluster.admin_url("postgres")).await;
         for name in [&gone, &recent] {
             client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
         }

@@ -10,7 +10,7 @@ use std::{
     ops::Deref,
     sync::{
         Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU8, Ordering},
     },
 };
 
@@ -104,14 +104,22 @@ impl Statements {
 #[derive(Debug)]
 pub(super) struct Mode {
     prepared: AtomicBool,
-    pipelined: AtomicBool,
+    /// What is known of a pooler: [`UNKNOWN`], [`DIRECT`] or [`POOLED`].
+    pooler: AtomicU8,
 }
+
+/// Not looked for yet: statements are not pipelined.
+const UNKNOWN: u8 = 0;
+/// No pooler in transaction mode: statements may be pipelined.
+const DIRECT: u8 = 1;
+/// A pooler in transaction mode, for good.
+const POOLED: u8 = 2;
 
 impl Mode {
     /// Statements prepared as configured, and not pipelined until
     /// [`Mode::direct`].
     pub(super) fn new(prepared: bool) -> Self {
-        Self { prepared: AtomicBool::new(prepared), pipelined: AtomicBool::new(false) }
+        Self { prepared: AtomicBool::new(prepared), pooler: AtomicU8::new(UNKNOWN) }
     }
 
     fn prepared(&self) -> bool {
@@ -120,20 +128,27 @@ impl Mode {
 
     /// Whether a query's statements may go on shared connections.
     pub(super) fn pipelined(&self) -> bool {
-        self.pipelined.load(Ordering::Relaxed)
+        self.pooler.load(Ordering::Relaxed) == DIRECT
+    }
+
+    /// Whether the store has yet to look for a pooler.
+    pub(super) fn unknown(&self) -> bool {
+        self.pooler.load(Ordering::Relaxed) == UNKNOWN
     }
 
     /// No pooler in transaction mode in front of the database: statements
-    /// may be pipelined.
+    /// may be pipelined (unless one was found meanwhile).
     pub(super) fn direct(&self) {
-        self.pipelined.store(true, Ordering::Relaxed);
+        let _ = self.pooler.compare_exchange(UNKNOWN, DIRECT, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// A pooler in transaction mode is in front of the database (`how` it
     /// showed): statements are sent unnamed, one at a time on a
     /// connection, from now on. Said once.
     pub(super) fn transaction_pooler(&self, how: &str) {
-        self.pipelined.store(false, Ordering::Relaxed);
+        if self.pooler.swap(POOLED, Ordering::Relaxed) == POOLED {
+            return;
+        }
         if self.prepared.swap(false, Ordering::Relaxed) {
             warn!(
                 how,
@@ -304,6 +319,21 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// Statements are pipelined only once no pooler was found, and a
+    /// pooler found is for good: a later probe that finds none changes
+    /// nothing.
+    #[test]
+    fn a_pooler_found_is_for_good() {
+        let mode = Mode::new(true);
+        assert!(mode.unknown() && !mode.pipelined() && mode.prepared());
+        mode.direct();
+        assert!(mode.pipelined() && !mode.unknown());
+        mode.transaction_pooler("found later");
+        assert!(!mode.pipelined() && !mode.prepared());
+        mode.direct();
+        assert!(!mode.pipelined(), "a pooler found was forgotten");
+    }
 
     /// A statement the database never answers fails at its deadline, as
     /// the error it was given, not later.

@@ -32,12 +32,15 @@ const HAND_BACK: Duration = Duration::from_millis(20);
 const WAIT: Duration = Duration::from_millis(500);
 
 impl PostgresStore {
-    /// Probes for a pooler in transaction mode (see the module docs): if
-    /// one is found, statements are sent unnamed, one at a time on each
-    /// connection; if not, they may be pipelined. Err: the reason the
-    /// database could not be asked.
+    /// Probes for a pooler in transaction mode (see the module docs),
+    /// unless that is known already: if one is found, statements are sent
+    /// unnamed, one at a time on each connection; if not, they may be
+    /// pipelined. Err: the reason the database could not be asked.
     pub(super) async fn find_pooler(&self) -> Result<(), String> {
-        if let Some(how) = self.transaction_pooled().await?.filter(|_| !self.mode.pipelined()) {
+        if !self.mode.unknown() {
+            return Ok(());
+        }
+        if let Some(how) = self.transaction_pooled().await? {
             self.mode.transaction_pooler(how);
         } else {
             debug!("no pooler in transaction mode in front of the database");
