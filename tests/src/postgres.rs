@@ -397,8 +397,16 @@ pub struct PgBouncer {
 
 impl PgBouncer {
     /// Pools connections to `cluster` (any database), `pool_mode =
-    /// transaction`, as PgBouncer is most often run.
+    /// transaction`, as PgBouncer is most often run: up to 20 server
+    /// connections a database, the most recently freed handed out first.
     pub async fn transaction_pooling(cluster: &Cluster) -> PgBouncer {
+        Self::transaction_pooling_with(cluster, 20, false).await
+    }
+
+    /// [`PgBouncer::transaction_pooling`] with up to `pool_size` server
+    /// connections a database, handed out in turn when `round_robin`
+    /// (`server_round_robin = 1`).
+    pub async fn transaction_pooling_with(cluster: &Cluster, pool_size: u32, round_robin: bool) -> PgBouncer {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "lattice-test-pgbouncer-{}-{}",
@@ -415,10 +423,11 @@ impl PgBouncer {
             format!(
                 "[databases]\n* = host=127.0.0.1 port={}\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {}\n\
                  auth_type = trust\nauth_file = {}\npool_mode = transaction\nmax_client_conn = 200\n\
-                 default_pool_size = 20\nunix_socket_dir =\nlogfile = {}\n",
+                 default_pool_size = {pool_size}\nserver_round_robin = {}\nunix_socket_dir =\nlogfile = {}\n",
                 cluster.port(),
                 addr.port(),
                 dir.join("users.txt").display(),
+                u8::from(round_robin),
                 dir.join("pgbouncer.log").display(),
             ),
         )

@@ -660,6 +660,39 @@ async fn behind_pgbouncer_in_transaction_mode(extra: &str) {
     resets_keep_outcomes_exact(upstream, &database, Duration::from_secs(10), extra).await;
 }
 
+/// A pooler in transaction mode is found at start-up whichever idle server
+/// connection it hands out first, the most recently freed (PgBouncer's
+/// default) or each in turn (`server_round_robin = 1`), and whatever its
+/// pool's size and how many of them are idle. With prepared statements
+/// off, as here, nothing else would show it, and statements pipelined
+/// through it can be answered with another's reply.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooler_is_found_however_it_hands_out_connections() {
+    let cluster = Cluster::shared().await;
+    let url = cluster.database().await;
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let said = "reached through a pooler in transaction mode: statements are sent one at a time on each connection";
+    for (pool_size, round_robin) in [1, 2, 3, 20].into_iter().flat_map(|n| [(n, false), (n, true)]) {
+        let bouncer = PgBouncer::transaction_pooling_with(cluster, pool_size, round_robin).await;
+        let through = format!("{}/{database}", bouncer.url);
+        // Server connections idle in the pool, as under other clients:
+        // transactions open at once on connections of the test's own.
+        let mut warm = Vec::new();
+        for _ in 0..pool_size.min(4) {
+            let client = connect(&through).await;
+            client.batch_execute("BEGIN; SELECT 1").await.unwrap();
+            warm.push(client);
+        }
+        for client in &warm {
+            client.batch_execute("COMMIT").await.unwrap();
+        }
+        let lattice = Lattice::spawn(&config(0, "prepared_statements = false"), &[(URL_ENV, through.as_str())]).await;
+        lattice.query("a", "hi").await.expect_ok();
+        let logs = lattice.process_logs();
+        assert!(logs.contains(said), "a pool of {pool_size} (in turn: {round_robin}) not found:\n{logs}");
+    }
+}
+
 /// `migrate = "never"`: a binary refuses an empty database and says to run
 /// `lattice migrate`, which applies the schema alone; a binary older than
 /// the database's schema refuses to start and says so.

@@ -4,16 +4,24 @@
 //! statements must be sent unnamed and one at a time on a connection (see
 //! `conn::Mode`).
 //!
-//! Two connections of the probe's own show it: the first runs a
-//! transaction, then the second opens one and keeps it open. Connected
-//! directly (or through a session pooler, or a plain TCP proxy), each has
-//! a server process of its own: the second's differs from the first's, and
-//! the first's next transaction runs at once, on its own process. Through a
-//! transaction pooler, the second takes a server connection the pool has
-//! free, the one the first just gave back (PgBouncer reuses the most
-//! recently freed first), so both report the same process; or, if it took
-//! another, the first's next transaction runs on another process, or waits
-//! for one (the pool is full). Any of those is a transaction pooler.
+//! Two connections of the probe's own show it. The first runs two
+//! transactions, then the second opens one and keeps it open, and the
+//! first runs a third. Connected directly (or through a session pooler, or
+//! a plain TCP proxy), each connection has a server process of its own:
+//! the first's transactions all run on one, at once, and the second's is
+//! another. Through a transaction pooler, one of these shows instead,
+//! whichever server connection the pooler hands out:
+//! - the first's second transaction runs on another process than its
+//!   first (a pooler handing out its idle server connections in turn,
+//!   PgBouncer's `server_round_robin`, with two or more idle);
+//! - the second is served by the first's process (the most recently freed
+//!   handed out first, PgBouncer's default; or only one idle);
+//! - the first's third transaction runs on another process, or waits for
+//!   one (the pool is full).
+//!
+//! A direct connection never shows any of them, so other clients of the
+//! pooler taking server connections meanwhile cannot hide it, only show
+//! it another way.
 
 use std::{future::Future, time::Duration};
 
@@ -55,7 +63,7 @@ impl PostgresStore {
         let (first, first_task) = connect().await?;
         let (second, second_task) = connect().await?;
         let probe = async {
-            let before = process(&first).await?;
+            let before = [process(&first).await?, process(&first).await?];
             tokio::time::sleep(HAND_BACK).await;
             second.simple_query("BEGIN").await.map_err(|e| connect::reason(&e))?;
             verdict(before, process(&second).await?, process(&first)).await
@@ -68,21 +76,25 @@ impl PostgresStore {
     }
 }
 
-/// What the probe shows, given the server process of the first
-/// connection's transaction (`before`), of the second's open one
-/// (`second`), and the first's next transaction (`next`, which may wait
+/// What the probe shows, given the server processes of the first
+/// connection's two transactions (`before`), of the second's open one
+/// (`second`), and the first's third transaction (`next`, which may wait
 /// for a server connection): how a pooler in transaction mode showed, or
 /// None.
 async fn verdict(
-    before: i32,
+    before: [i32; 2],
     second: i32,
     next: impl Future<Output = Result<i32, String>>,
 ) -> Result<Option<&'static str>, String> {
-    if second == before {
+    const MOVED: &str = "a connection's next transaction ran on another server process";
+    if before[0] != before[1] {
+        return Ok(Some(MOVED));
+    }
+    if second == before[1] {
         return Ok(Some("a second connection was served by the first's server process"));
     }
     match tokio::time::timeout(WAIT, next).await {
-        Ok(after) => Ok((after? != before).then_some("a connection's next transaction ran on another server process")),
+        Ok(after) => Ok((after? != before[1]).then_some(MOVED)),
         Err(_) => Ok(Some("a connection's next transaction waited for another's")),
     }
 }
@@ -103,20 +115,23 @@ async fn process(client: &Client) -> Result<i32, String> {
 mod tests {
     use super::*;
 
-    /// Direct: a process of each connection's own, and the first's next
-    /// transaction on its own, at once. A pooler: a process shared, the
-    /// next transaction moved, or kept waiting [`WAIT`] (and no longer).
+    /// Direct: a process of each connection's own, and the first's
+    /// transactions all on its own, at once. A pooler: the first's second
+    /// transaction moved, a process shared, the third transaction moved, or
+    /// kept waiting [`WAIT`] (and no longer).
     #[tokio::test(start_paused = true)]
-    async fn a_pooler_shows_by_a_shared_process_a_move_or_a_wait() {
+    async fn a_pooler_shows_by_a_move_a_shared_process_or_a_wait() {
         let start = tokio::time::Instant::now();
-        assert_eq!(verdict(7, 8, async { Ok(7) }).await, Ok(None));
-        assert!(verdict(7, 7, std::future::pending()).await.is_ok_and(|v| v.is_some()));
-        assert!(verdict(7, 8, async { Ok(9) }).await.is_ok_and(|v| v.is_some()));
+        assert_eq!(verdict([7, 7], 8, async { Ok(7) }).await, Ok(None));
+        let moved = Ok(Some("a connection's next transaction ran on another server process"));
+        assert_eq!(verdict([7, 9], 8, std::future::pending()).await, moved);
+        assert!(verdict([7, 7], 7, std::future::pending()).await.is_ok_and(|v| v.is_some()));
+        assert_eq!(verdict([7, 7], 8, async { Ok(9) }).await, moved);
         assert_eq!(start.elapsed(), Duration::ZERO, "no answer waited for");
-        let waited = verdict(7, 8, std::future::pending()).await;
+        let waited = verdict([7, 7], 8, std::future::pending()).await;
         assert_eq!(waited, Ok(Some("a connection's next transaction waited for another's")));
         assert_eq!(start.elapsed(), WAIT);
-        let failed = verdict(7, 8, async { Err("the connection was closed".to_owned()) }).await;
+        let failed = verdict([7, 7], 8, async { Err("the connection was closed".to_owned()) }).await;
         assert_eq!(failed, Err("the connection was closed".to_owned()));
     }
 }
