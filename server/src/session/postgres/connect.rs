@@ -117,9 +117,6 @@ pub fn reason(e: &tokio_postgres::Error) -> String {
             "3D000" => "the database does not exist (SQLSTATE 3D000)".to_owned(),
             "57P03" => "the server is starting up or shutting down (SQLSTATE 57P03)".to_owned(),
             "53300" => "the server has no connection slots left (SQLSTATE 53300)".to_owned(),
-            "26000" => "a prepared statement is gone (SQLSTATE 26000): behind PgBouncer in transaction mode? set \
-                        [sessions] prepared_statements = false"
-                .to_owned(),
             _ => format!("the server refused (SQLSTATE {code})"),
         };
     }
