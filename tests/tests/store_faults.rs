@@ -135,6 +135,80 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
     }
 }
 
+/// A connection string naming several hosts, as libpq takes them (an HA
+/// pair's endpoints, in order): the first that answers serves, and with
+/// `verify-full` the certificate is checked against the host reached. With
+/// `target_session_attrs=read-write`, only a server that takes writes does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_list_of_hosts_is_tried_in_order() {
+    let ca = TestCa::new("pg-hosts");
+    let server = ca.issue("127.0.0.1");
+    let cluster = Cluster::tls_only(&server.cert_pem, &server.key_pem).await;
+    let database = cluster.database().await;
+    // A port nobody listens on, named first.
+    let (listener, gone) = lattice_tests::bind().await;
+    drop(listener);
+    let hosts = |first: &str| database.replacen("127.0.0.1:", &format!("{first}:{},127.0.0.1:", gone.port()), 1);
+    let tls = format!("sslmode=verify-full&sslrootcert={}", ca.file.display());
+    for url in [
+        format!("{}?{tls}", hosts("127.0.0.1")),
+        format!("{}?{tls}&target_session_attrs=read-write", hosts("localhost")),
+    ] {
+        let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+        let first = lattice.query("a", "hi").await;
+        assert_eq!(first.expect_ok().text, "seen 1", "{url}");
+        assert_eq!(lattice.session(&first.session_id()).await.unwrap().messages.len(), 2);
+    }
+
+    // A server that takes no writes (as a standby does) named first: with
+    // read-write asked for, the next one serves; without, the first is
+    // used, and start-up says why it cannot serve.
+    let writable = Cluster::shared().await.database().await;
+    let (name, rest) = (writable.rsplit('/').next().unwrap(), writable.trim_start_matches("postgres://postgres@"));
+    let standby = Cluster::private().await;
+    let admin = connect(&standby.admin_url("postgres")).await;
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+    admin.batch_execute("ALTER SYSTEM SET default_transaction_read_only = on").await.unwrap();
+    admin.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    let both = format!("postgres://postgres@127.0.0.1:{},{rest}", standby.port());
+    let url = format!("{both}?target_session_attrs=read-write");
+    let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+    assert_eq!(lattice.query("a", "hi").await.expect_ok().text, "seen 1", "{url}");
+    let (ok, said) = serve_until_exit(&config(0, "on_unreachable = \"exit\""), &both).await;
+    assert!(!ok && said.contains("the server takes no writes"), "{said}");
+}
+
+/// A database that stops taking writes (a primary turned standby, or a
+/// managed service's read-only mode when its disk is full): queries are told
+/// UNAVAILABLE and store nothing, health says NOT_SERVING and the log says
+/// why; once it takes writes again, all is as before, without a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_that_takes_no_writes_is_not_serving_until_it_does() {
+    let cluster = Cluster::private().await;
+    let url = cluster.database().await;
+    let lattice = Lattice::spawn(&config(0, "store_timeout_ms = 1000"), &[(URL_ENV, url.as_str())]).await;
+    let first = lattice.query_with(query("start", None, Duration::from_secs(5))).await;
+    first.expect_ok();
+    let sid = first.session_id();
+    let admin = connect(&cluster.admin_url("postgres")).await;
+    let read_only = async |on: &str| {
+        admin.batch_execute(&format!("ALTER SYSTEM SET default_transaction_read_only = {on}")).await.unwrap();
+        admin.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    };
+    read_only("on").await;
+    health_turns(&lattice, false, Duration::from_secs(5), "once the database took no writes").await;
+    let refused = lattice.query_with(query("refused", Some(&sid), Duration::from_secs(5))).await;
+    assert_eq!(refused.code(), Code::Unavailable, "{:?}", refused.status);
+    let logs = lattice.process_logs();
+    assert!(logs.contains("the server takes no writes"), "no reason in the log:\n{logs}");
+    read_only("off").await;
+    health_turns(&lattice, true, Duration::from_secs(5), "once the database took writes again").await;
+    let next = lattice.query_with(query("next", Some(&sid), Duration::from_secs(5))).await;
+    assert_eq!(next.expect_ok().text, "seen 3", "the refused query was stored");
+    let stored = lattice.session(&sid).await.unwrap();
+    assert_eq!(stored.messages.iter().map(message_text).collect::<Vec<_>>()[2], "next");
+}
+
 /// A database that does not offer TLS at all: `prefer` and `allow` reach it
 /// in plaintext; `require`, and every mode that checks the server's
 /// certificate, are refused at start-up with the reason.

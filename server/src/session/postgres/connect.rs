@@ -96,6 +96,12 @@ fn refuses_plaintext(e: &tokio_postgres::Error) -> bool {
     e.as_db_error().is_some_and(|db| db.code().code() == "28000" && db.message().contains("no encryption"))
 }
 
+/// Why a server that takes no writes cannot serve (a standby, or a primary
+/// set read-only, as some managed services do when the disk is full), and
+/// what fixes it.
+pub(super) const TAKES_NO_WRITES: &str = "the server takes no writes (a standby, or set read-only): name the \
+                                          primary, or list every host with target_session_attrs=read-write";
+
 /// Why a connection could not be made or used, for a log line or a start-up
 /// error: never the connection string, never what a statement carried.
 pub fn reason(e: &tokio_postgres::Error) -> String {
@@ -117,6 +123,7 @@ pub fn reason(e: &tokio_postgres::Error) -> String {
             "3D000" => "the database does not exist (SQLSTATE 3D000)".to_owned(),
             "57P03" => "the server is starting up or shutting down (SQLSTATE 57P03)".to_owned(),
             "53300" => "the server has no connection slots left (SQLSTATE 53300)".to_owned(),
+            "25006" => format!("{TAKES_NO_WRITES} (SQLSTATE 25006)"),
             _ => format!("the server refused (SQLSTATE {code})"),
         };
     }

@@ -73,13 +73,13 @@ use std::{
 };
 
 use acquire::Holder;
-use conn::{Conn, Handle, Mode, Param, bounded, db, pool_error, pool_reason};
+use conn::{Conn, Handle, Mode, Param, bounded, db, pool_error, pool_reason, unavailable};
 use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
 use pool::Pool;
 pub use schema::{SchemaError, VERSION as SCHEMA_VERSION};
 use tokio::time::Instant;
-use tokio_postgres::types::Type;
+use tokio_postgres::{SimpleQueryMessage, types::Type};
 use tracing::warn;
 
 use super::{Lease, SessionStore, StoreError, StoreFuture, StoredPage, StoredSession, cache::HistoryCache};
@@ -528,7 +528,15 @@ impl SessionStore for PostgresStore {
     fn ready(&self) -> StoreFuture<'_, ()> {
         Box::pin(bounded(self.soon(), "ready", StoreError::Unavailable("postgres"), async move {
             let client = self.conn("ready").await?;
-            client.send(client.client.simple_query("SELECT 1")).await.map_err(db("ready"))?;
+            // Reachable is not enough: a server that takes no writes fails
+            // every query.
+            let answer =
+                client.send(client.client.simple_query("SHOW transaction_read_only")).await.map_err(db("ready"))?;
+            let read_only =
+                answer.iter().any(|m| matches!(m, SimpleQueryMessage::Row(row) if row.get(0) == Some("on")));
+            if read_only {
+                return Err(unavailable("ready", connect::TAKES_NO_WRITES));
+            }
             Ok(())
         }))
     }
