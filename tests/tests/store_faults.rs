@@ -174,7 +174,12 @@ async fn a_list_of_hosts_is_tried_in_order() {
     let url = format!("{both}?target_session_attrs=read-write");
     let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
     assert_eq!(lattice.query("a", "hi").await.expect_ok().text, "seen 1", "{url}");
-    let (ok, said) = serve_until_exit(&config(0, "on_unreachable = \"exit\""), &both).await;
+    let exit = config(0, "on_unreachable = \"exit\"");
+    let (ok, said) = serve_until_exit(&exit, &both).await;
+    assert!(!ok && said.contains("the server takes no writes"), "{said}");
+    // Named alone, with read-write asked for: skipped, and said so.
+    let alone = format!("postgres://postgres@127.0.0.1:{}/{name}?target_session_attrs=read-write", standby.port());
+    let (ok, said) = serve_until_exit(&exit, &alone).await;
     assert!(!ok && said.contains("the server takes no writes"), "{said}");
 }
 

@@ -140,6 +140,11 @@ pub fn reason(e: &tokio_postgres::Error) -> String {
                 return tls_reason(tls);
             }
             return match io.kind() {
+                // tokio-postgres's word for a server skipped by
+                // target_session_attrs=read-write.
+                io::ErrorKind::PermissionDenied if io.to_string().contains("does not allow writes") => {
+                    TAKES_NO_WRITES.to_owned()
+                }
                 io::ErrorKind::ConnectionRefused => "connection refused".to_owned(),
                 io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => "the connection was reset".to_owned(),
                 io::ErrorKind::TimedOut => "the connection timed out".to_owned(),
