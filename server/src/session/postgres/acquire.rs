@@ -21,7 +21,7 @@ impl PostgresStore {
         let taken = tokio::time::timeout_at(deadline, async {
             // A lease another replica keeps is asked for, and waited
             // for a little (see `kept`).
-            let mut handover = kept::Handover::new();
+            let mut handover = kept::handover();
             loop {
                 match self.polled(self.lease(session_id, agent, owner, create, token)).await {
                     Ok(Some(lease)) => return Ok(lease),

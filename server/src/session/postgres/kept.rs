@@ -26,6 +26,8 @@ use std::{
 
 use tokio::time::Instant;
 
+use super::backoff::Backoff;
+
 /// How often the keeper looks for leases wanted elsewhere, due for renewal
 /// or unused too long.
 pub(super) const POLL: Duration = Duration::from_millis(50);
@@ -36,27 +38,8 @@ pub(super) const HANDOVER_WAIT: Duration = Duration::from_millis(1000);
 
 /// Waiting for another replica to hand over a lease it keeps: pauses from
 /// 2 ms, doubling up to [`POLL`], for [`HANDOVER_WAIT`] in all at most.
-#[derive(Debug)]
-pub(super) struct Handover {
-    until: Instant,
-    pause: Duration,
-}
-
-impl Handover {
-    pub(super) fn new() -> Self {
-        Self { until: Instant::now() + HANDOVER_WAIT, pause: Duration::from_millis(2) }
-    }
-
-    /// Waits before asking again; false, at once, when that would end past
-    /// the wait's end (the session is then busy).
-    pub(super) async fn pause(&mut self) -> bool {
-        if Instant::now() + self.pause >= self.until {
-            return false;
-        }
-        tokio::time::sleep(self.pause).await;
-        self.pause = (self.pause * 2).min(POLL);
-        true
-    }
+pub(super) fn handover() -> Backoff {
+    Backoff::new(Instant::now() + HANDOVER_WAIT, Duration::from_millis(2), POLL)
 }
 
 /// What the holder of a session's lease knows of it, while a query uses
@@ -295,7 +278,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_handover_is_waited_for_a_second_at_most() {
         let start = Instant::now();
-        let mut handover = Handover::new();
+        let mut handover = handover();
         let mut asked = vec![Duration::ZERO];
         while handover.pause().await {
             asked.push(start.elapsed());

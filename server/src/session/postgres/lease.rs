@@ -9,6 +9,7 @@ use tracing::{debug, warn};
 
 use super::{
     PostgresStore,
+    backoff::Backoff,
     commit::{Commit, Sent},
     conn::bounded,
     db, kept,
@@ -52,7 +53,7 @@ impl PgLease {
 
     /// Gives the lease back by token in a task of its own (see
     /// [`PostgresStore::give_back_later`]).
-    fn give_back_later(&self) -> tokio::task::JoinHandle<()> {
+    fn give_back_later(&self) -> tokio::sync::oneshot::Receiver<()> {
         self.store.give_back_later(self.id.clone(), self.held.token, self.created)
     }
 
@@ -91,6 +92,19 @@ impl PgLease {
 
 /// How long a commit's read-back waits before asking the store again.
 const SETTLE_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// How long a lease that could not be given back waits before it is
+/// tried again, at first, and at most (see
+/// [`PostgresStore::give_back_later`]).
+const GIVE_BACK_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
+const GIVE_BACK_PAUSE_MAX: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The pauses between attempts to give back a lease of time to live
+/// `ttl` taken before now: none past its expiry, when nobody needs it
+/// given back any more.
+fn give_back_backoff(ttl: std::time::Duration) -> Backoff {
+    Backoff::new(Instant::now() + ttl, GIVE_BACK_PAUSE, GIVE_BACK_PAUSE_MAX)
+}
 
 impl LeaseHolder for PgLease {
     fn commit(&self, appended: Vec<Message>, deadline: Option<Instant>) -> StoreFuture<'_, ()> {
@@ -179,12 +193,10 @@ impl LeaseHolder for PgLease {
 
     fn release(self: Arc<Self>) -> StoreFuture<'static, ()> {
         self.renewal.end();
+        let given_back = self.give_back_later();
         Box::pin(async move {
-            let until = self.store.soon();
-            bounded(until, "release", StoreError::Unavailable("postgres"), async {
-                self.store.give_back(&self.id, self.held.token, self.created).await.map(drop)
-            })
-            .await
+            let _ = given_back.await;
+            Ok(())
         })
     }
 }
@@ -214,16 +226,38 @@ impl PostgresStore {
         Ok(n == 1)
     }
 
-    /// [`PostgresStore::give_back`] in a task of its own, within the
-    /// store's timeout (whoever waits for it may stop waiting).
-    pub(super) fn give_back_later(&self, id: String, token: uuid::Uuid, created: bool) -> tokio::task::JoinHandle<()> {
+    /// [`PostgresStore::give_back`] in a task of its own, each attempt
+    /// within the store's timeout. The receiver it returns resolves after
+    /// the first (whoever waits for it may stop waiting sooner). If that fails (the
+    /// database away, or restarting), the task asks again, pausing from
+    /// [`GIVE_BACK_PAUSE`] and doubling up to [`GIVE_BACK_PAUSE_MAX`], until
+    /// the lease would have expired anyway: a session whose query failed is
+    /// free again once the database is back, not only after `lease_ttl`.
+    /// Safe to ask late: only the lease under `token` is given back.
+    pub(super) fn give_back_later(
+        &self,
+        id: String,
+        token: uuid::Uuid,
+        created: bool,
+    ) -> tokio::sync::oneshot::Receiver<()> {
         let store = self.clone();
+        let (tried, first) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
-            let until = store.soon();
-            let _ =
-                bounded(until, "release", StoreError::Unavailable("postgres"), store.give_back(&id, token, created))
-                    .await;
-        })
+            let mut again = give_back_backoff(store.lease_ttl);
+            let mut tried = Some(tried);
+            loop {
+                let until = store.soon().min(again.until());
+                let give_back = store.give_back(&id, token, created);
+                let answered = bounded(until, "release", StoreError::Unavailable("postgres"), give_back).await.is_ok();
+                if let Some(tried) = tried.take() {
+                    let _ = tried.send(());
+                }
+                if answered || !again.pause().await {
+                    return;
+                }
+            }
+        });
+        first
     }
 
     /// Whether the commit made under `token` is the session's last.
@@ -282,5 +316,25 @@ mod tests {
         assert!(acquired <= 1024, "taking a lease: {acquired} bytes");
         assert!(committed <= 1024, "a commit: {committed} bytes");
         Ok(())
+    }
+
+    /// A lease not given back is asked about again soon at first, then
+    /// every [`GIVE_BACK_PAUSE_MAX`], and no more once it would have
+    /// expired anyway.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_not_given_back_is_asked_about_until_it_expires() {
+        let ttl = Duration::from_secs(3);
+        let start = Instant::now();
+        let mut again = give_back_backoff(ttl);
+        assert_eq!(again.until(), start + ttl);
+        let mut asked = vec![Duration::ZERO];
+        while again.pause().await {
+            asked.push(start.elapsed());
+        }
+        let ms = |n: u64| Duration::from_millis(n);
+        assert_eq!(asked[..6], [ms(0), ms(50), ms(150), ms(350), ms(600), ms(850)]);
+        let last = asked.last().copied().unwrap_or_default();
+        assert!(last < ttl && last + GIVE_BACK_PAUSE_MAX >= ttl, "last asked at {last:?}");
+        assert_eq!(start.elapsed(), last, "gave up without waiting");
     }
 }

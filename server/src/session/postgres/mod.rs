@@ -50,6 +50,7 @@
 //! TLS verdict, a refused or reset connection).
 
 mod acquire;
+mod backoff;
 mod commit;
 mod conn;
 mod connect;
@@ -493,7 +494,7 @@ impl SessionStore for PostgresStore {
                     kept::Found::Nothing => {}
                 }
             }
-            let mut handover = kept::Handover::new();
+            let mut handover = kept::handover();
             loop {
                 let client = self.conn("delete").await?;
                 let deleted = client
