@@ -214,6 +214,34 @@ async fn a_database_that_takes_no_writes_is_not_serving_until_it_does() {
     assert_eq!(stored.messages.iter().map(message_text).collect::<Vec<_>>()[2], "next");
 }
 
+/// A connection string that points nowhere useful is refused at start-up
+/// with words an operator can act on: a host name that does not resolve,
+/// a socket directory with no server in it, a port where something else
+/// answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_address_is_refused_with_the_reason() {
+    // Something that is not PostgreSQL: it answers every connection with
+    // an HTTP error and closes it.
+    let (listener, addr) = lattice_tests::bind().await;
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let _ = socket.read(&mut [0; 1024]).await;
+            let _ = socket.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n").await;
+            let _ = socket.shutdown().await;
+        }
+    });
+    let exit = config(0, "on_unreachable = \"exit\"");
+    for (url, reason) in [
+        ("postgres://postgres@nosuchhost.invalid/lattice".to_owned(), "the host name could not be resolved"),
+        ("host=/nonexistent user=postgres dbname=lattice".to_owned(), "no server's socket in that directory"),
+        (format!("postgres://postgres@{addr}/lattice"), "does not speak PostgreSQL's protocol"),
+    ] {
+        let (ok, said) = serve_until_exit(&exit, &url).await;
+        assert!(!ok && said.contains(reason), "{url}: expected {reason:?} in:\n{said}");
+    }
+}
+
 /// A database that does not offer TLS at all: `prefer` and `allow` reach it
 /// in plaintext; `require`, and every mode that checks the server's
 /// certificate, are refused at start-up with the reason.

@@ -149,7 +149,21 @@ pub fn reason(e: &tokio_postgres::Error) -> String {
                 io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => "the connection was reset".to_owned(),
                 io::ErrorKind::TimedOut => "the connection timed out".to_owned(),
                 io::ErrorKind::UnexpectedEof => "the server closed the connection".to_owned(),
-                kind => format!("{kind}"),
+                // A Unix socket path (`host=/dir`) with no server's socket in it.
+                io::ErrorKind::NotFound => "no server's socket in that directory".to_owned(),
+                // The system's words (a resolver's, an errno's): they name
+                // neither the host nor anything else of the string.
+                _ => {
+                    let said = io.to_string();
+                    if said.starts_with("failed to lookup address information") || said.contains("resolve") {
+                        format!("the host name could not be resolved ({said})")
+                    } else if said == "bytes remaining on stream" {
+                        // Something else listens there (a wrong port).
+                        "the server does not speak PostgreSQL's protocol: is the port right?".to_owned()
+                    } else {
+                        said
+                    }
+                }
             };
         }
         if err.to_string() == "server does not support TLS" {
