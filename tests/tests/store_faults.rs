@@ -697,11 +697,12 @@ async fn database_restarts_keep_outcomes_exact_(extra: &str) {
     assert!(unavailable > 0, "no query met a restart: {tally:?}");
     assert!(tally["ok"] > 100, "too few queries succeeded: {tally:?}");
     // A lease a failed query could not give back while the database was
-    // away is given back once it is back, not left to expire: few of the
-    // session's next queries find it busy (here 3 to 24 against about 100
-    // told UNAVAILABLE; 34 to 161 when the lease was tried once only).
+    // away is given back as soon as it is back, not left to expire: hardly
+    // any of the session's next queries find it busy (here 0 or 1 against
+    // about 100 told UNAVAILABLE; 103 to 161 when the lease was tried once
+    // only, 3 to 24 when tried again only on a schedule).
     let busy = tally.get("busy").copied().unwrap_or(0);
-    assert!(3 * busy <= unavailable, "leases left behind by the restarts refused follow-ups: {tally:?}");
+    assert!(10 * busy <= unavailable, "leases left behind by the restarts refused follow-ups: {tally:?}");
 }
 
 /// Connection resets under 8 concurrent sessions for 20 s: every outcome

@@ -38,12 +38,20 @@ use super::url::{RootCert, SslMode, TlsParams, Verification};
 #[derive(Debug, Clone)]
 pub struct Connector {
     tls: TlsParams,
+    /// Told each time a connection is made (shared by every clone).
+    made: Arc<tokio::sync::Notify>,
 }
 
 impl Connector {
     /// Connections with `tls`.
     pub fn new(tls: TlsParams) -> Self {
-        Self { tls }
+        Self { tls, made: Arc::default() }
+    }
+
+    /// Resolves when a connection is next made: the database, if it was
+    /// away, is back. (Registered when called, before it is polled.)
+    pub fn made(&self) -> tokio::sync::futures::Notified<'_> {
+        self.made.notified()
     }
 
     async fn connect_with<T>(
@@ -73,20 +81,31 @@ impl Connect for Connector {
     fn connect(&self, pg: &Config) -> BoxFuture<'_, Result<(Client, JoinHandle<()>), tokio_postgres::Error>> {
         let pg = pg.clone();
         Box::pin(async move {
-            let tls = Rustls { params: self.tls.clone() };
-            match self.tls.mode {
-                SslMode::Disable => Self::connect_with(&pg, PgSslMode::Disable, NoTls).await,
-                // Plaintext first; TLS when the server refuses plaintext.
-                SslMode::Allow => match Self::connect_with(&pg, PgSslMode::Disable, NoTls).await {
-                    Err(e) if refuses_plaintext(&e) => Self::connect_with(&pg, PgSslMode::Require, tls).await,
-                    other => other,
-                },
-                SslMode::Prefer => Self::connect_with(&pg, PgSslMode::Prefer, tls).await,
-                SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
-                    Self::connect_with(&pg, PgSslMode::Require, tls).await
-                }
+            let made = self.connect_as_sslmode(&pg).await;
+            if made.is_ok() {
+                self.made.notify_waiters();
             }
+            made
         })
+    }
+}
+
+impl Connector {
+    /// A connection as the string's `sslmode` says.
+    async fn connect_as_sslmode(&self, pg: &Config) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        let tls = Rustls { params: self.tls.clone() };
+        match self.tls.mode {
+            SslMode::Disable => Self::connect_with(pg, PgSslMode::Disable, NoTls).await,
+            // Plaintext first; TLS when the server refuses plaintext.
+            SslMode::Allow => match Self::connect_with(pg, PgSslMode::Disable, NoTls).await {
+                Err(e) if refuses_plaintext(&e) => Self::connect_with(pg, PgSslMode::Require, tls).await,
+                other => other,
+            },
+            SslMode::Prefer => Self::connect_with(pg, PgSslMode::Prefer, tls).await,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                Self::connect_with(pg, PgSslMode::Require, tls).await
+            }
+        }
     }
 }
 

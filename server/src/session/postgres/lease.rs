@@ -231,8 +231,9 @@ impl PostgresStore {
     /// the first (whoever waits for it may stop waiting sooner). If that fails (the
     /// database away, or restarting), the task asks again, pausing from
     /// [`GIVE_BACK_PAUSE`] and doubling up to [`GIVE_BACK_PAUSE_MAX`], until
-    /// the lease would have expired anyway: a session whose query failed is
-    /// free again once the database is back, not only after `lease_ttl`.
+    /// the lease would have expired anyway, and at once when a connection
+    /// is made meanwhile: a session whose query failed is free again once
+    /// the database is back, not only after `lease_ttl`.
     /// Safe to ask late: only the lease under `token` is given back.
     pub(super) fn give_back_later(
         &self,
@@ -252,7 +253,9 @@ impl PostgresStore {
                 if let Some(tried) = tried.take() {
                     let _ = tried.send(());
                 }
-                if answered || !again.pause().await {
+                // A connection made during the pause (by any statement: the
+                // database is back) ends it at once.
+                if answered || !again.pause_or(store.connector.made()).await {
                     return;
                 }
             }
