@@ -27,6 +27,11 @@ use tonic_types::StatusExt;
 
 const URL_ENV: &str = "LATTICE_POSTGRES_URL";
 
+/// What a replica logs when it finds a pooler in transaction mode with
+/// prepared statements off.
+const POOLER_FOUND: &str =
+    "reached through a pooler in transaction mode: statements are sent one at a time on each connection";
+
 /// An agent over the postgres store that answers "seen N" after `delay_ms`,
 /// with `extra` session keys.
 fn config(delay_ms: u64, extra: &str) -> String {
@@ -844,7 +849,6 @@ async fn a_pooler_is_found_however_it_hands_out_connections() {
     let cluster = Cluster::shared().await;
     let url = cluster.database().await;
     let database = url.rsplit('/').next().unwrap().to_owned();
-    let said = "reached through a pooler in transaction mode: statements are sent one at a time on each connection";
     for (pool_size, round_robin) in [1, 2, 3, 20].into_iter().flat_map(|n| [(n, false), (n, true)]) {
         let bouncer = PgBouncer::transaction_pooling_with(cluster, pool_size, round_robin).await;
         let through = format!("{}/{database}", bouncer.url);
@@ -862,7 +866,7 @@ async fn a_pooler_is_found_however_it_hands_out_connections() {
         let lattice = Lattice::spawn(&config(0, "prepared_statements = false"), &[(URL_ENV, through.as_str())]).await;
         lattice.query("a", "hi").await.expect_ok();
         let logs = lattice.process_logs();
-        assert!(logs.contains(said), "a pool of {pool_size} (in turn: {round_robin}) not found:\n{logs}");
+        assert!(logs.contains(POOLER_FOUND), "a pool of {pool_size} (in turn: {round_robin}) not found:\n{logs}");
     }
 }
 
@@ -952,8 +956,7 @@ async fn behind_pgbouncer_in_transaction_mode_the_default_settings_work() {
     let configured = config(0, "prepared_statements = false");
     let unnamed = Lattice::spawn(&configured, &[(URL_ENV, through.as_str())]).await;
     unnamed.query("a", "hi").await.expect_ok();
-    let said = "reached through a pooler in transaction mode: statements are sent one at a time on each connection";
-    assert!(unnamed.process_logs().contains(said), "no word of the pooler:\n{}", unnamed.process_logs());
+    assert!(unnamed.process_logs().contains(POOLER_FOUND), "no word of the pooler:\n{}", unnamed.process_logs());
     let proxy = ResetProxy::start(format!("127.0.0.1:{}", cluster.port()).parse().unwrap()).await;
     let proxied = format!("postgres://postgres@{}/{database}", proxy.addr);
     let direct = Lattice::spawn(&config(0, ""), &[(URL_ENV, proxied.as_str())]).await;

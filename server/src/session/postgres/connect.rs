@@ -54,6 +54,23 @@ impl Connector {
         self.made.notified()
     }
 
+    /// A connection as the string's `sslmode` says.
+    async fn connect_as_sslmode(&self, pg: &Config) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        let tls = Rustls { params: self.tls.clone() };
+        match self.tls.mode {
+            SslMode::Disable => Self::connect_with(pg, PgSslMode::Disable, NoTls).await,
+            // Plaintext first; TLS when the server refuses plaintext.
+            SslMode::Allow => match Self::connect_with(pg, PgSslMode::Disable, NoTls).await {
+                Err(e) if refuses_plaintext(&e) => Self::connect_with(pg, PgSslMode::Require, tls).await,
+                other => other,
+            },
+            SslMode::Prefer => Self::connect_with(pg, PgSslMode::Prefer, tls).await,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                Self::connect_with(pg, PgSslMode::Require, tls).await
+            }
+        }
+    }
+
     async fn connect_with<T>(
         pg: &Config,
         mode: PgSslMode,
@@ -87,25 +104,6 @@ impl Connect for Connector {
             }
             made
         })
-    }
-}
-
-impl Connector {
-    /// A connection as the string's `sslmode` says.
-    async fn connect_as_sslmode(&self, pg: &Config) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
-        let tls = Rustls { params: self.tls.clone() };
-        match self.tls.mode {
-            SslMode::Disable => Self::connect_with(pg, PgSslMode::Disable, NoTls).await,
-            // Plaintext first; TLS when the server refuses plaintext.
-            SslMode::Allow => match Self::connect_with(pg, PgSslMode::Disable, NoTls).await {
-                Err(e) if refuses_plaintext(&e) => Self::connect_with(pg, PgSslMode::Require, tls).await,
-                other => other,
-            },
-            SslMode::Prefer => Self::connect_with(pg, PgSslMode::Prefer, tls).await,
-            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
-                Self::connect_with(pg, PgSslMode::Require, tls).await
-            }
-        }
     }
 }
 

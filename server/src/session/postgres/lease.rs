@@ -228,13 +228,14 @@ impl PostgresStore {
 
     /// [`PostgresStore::give_back`] in a task of its own, each attempt
     /// within the store's timeout. The receiver it returns resolves after
-    /// the first (whoever waits for it may stop waiting sooner). If that fails (the
-    /// database away, or restarting), the task asks again, pausing from
-    /// [`GIVE_BACK_PAUSE`] and doubling up to [`GIVE_BACK_PAUSE_MAX`], until
-    /// the lease would have expired anyway, and at once when a connection
-    /// is made meanwhile: a session whose query failed is free again once
-    /// the database is back, not only after `lease_ttl`.
-    /// Safe to ask late: only the lease under `token` is given back.
+    /// the first (whoever waits for it may stop waiting sooner). If that
+    /// fails (the database away, or restarting), the task asks again,
+    /// pausing from [`GIVE_BACK_PAUSE`] and doubling up to
+    /// [`GIVE_BACK_PAUSE_MAX`], until the lease would have expired anyway,
+    /// and at once when a connection is made meanwhile: a session whose
+    /// query failed is free again once the database is back, not only after
+    /// `lease_ttl`. Safe to ask late: only the lease under `token` is given
+    /// back.
     pub(super) fn give_back_later(
         &self,
         id: String,

@@ -117,7 +117,8 @@ pub struct Inner {
     timeout: Duration,
     /// How statements are sent: prepared or not, pipelined or not.
     mode: Arc<Mode>,
-    /// How new connections are made (for the pooler probe).
+    /// How new connections are made (for the pooler probe), and word of
+    /// each one made (for leases not yet given back).
     pg: tokio_postgres::Config,
     connector: connect::Connector,
     /// The connections queries' own statements share, if any (else they
