@@ -47,7 +47,7 @@ pub fn init_with(format: Format, tracer: Option<opentelemetry_sdk::trace::Tracer
 mod tests {
     use std::fmt;
 
-    use super::*;
+    use super::{capture::*, *};
 
     #[test]
     fn transport_crates_and_their_modules_are_recognised() {
@@ -57,35 +57,6 @@ mod tests {
         for t in ["lattice_server::hooks", "lattice::trace", "h2o", "tonicity", "towers"] {
             assert!(!from_transport(t), "{t}");
         }
-    }
-
-    /// Where the captured subscribers write.
-    #[derive(Clone, Default)]
-    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
-        type Writer = Sink;
-
-        fn make_writer(&'a self) -> Sink {
-            Sink(self.0.clone())
-        }
-    }
-
-    /// What `emit` logs through the subscriber `make` builds on a writer.
-    fn captured<S>(make: impl FnOnce(Lines) -> S, emit: impl FnOnce()) -> String
-    where
-        S: tracing::Subscriber + Send + Sync + 'static,
-    {
-        let lines = Lines::default();
-        tracing::subscriber::with_default(make(lines.clone()), emit);
-        let bytes = lines.0.lock().map(|l| l.clone()).unwrap_or_default();
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-
-    /// Lattice's subscriber in text at `levels`, with colours or not.
-    fn text(levels: &str, ansi: bool) -> impl FnOnce(Lines) -> Box<dyn tracing::Subscriber + Send + Sync> {
-        let levels = EnvFilter::new(levels);
-        move |w| Box::new(subscriber(Format::Text, levels, false, ansi, w))
     }
 
     #[test]
@@ -225,8 +196,43 @@ mod tests {
             }
         }
     }
+}
 
-    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+/// What code under test logs, through Lattice's own subscriber.
+#[cfg(test)]
+pub(crate) mod capture {
+    use super::*;
+
+    /// Where the captured subscribers write.
+    #[derive(Clone, Default)]
+    pub(crate) struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
+        type Writer = Sink;
+
+        fn make_writer(&'a self) -> Sink {
+            Sink(self.0.clone())
+        }
+    }
+
+    /// What `emit` logs through the subscriber `make` builds on a writer.
+    pub(crate) fn captured<S>(make: impl FnOnce(Lines) -> S, emit: impl FnOnce()) -> String
+    where
+        S: tracing::Subscriber + Send + Sync + 'static,
+    {
+        let lines = Lines::default();
+        tracing::subscriber::with_default(make(lines.clone()), emit);
+        let bytes = lines.0.lock().map(|l| l.clone()).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Lattice's subscriber in text at `levels`, with colours or not.
+    pub(crate) fn text(levels: &str, ansi: bool) -> impl FnOnce(Lines) -> Box<dyn tracing::Subscriber + Send + Sync> {
+        let levels = EnvFilter::new(levels);
+        move |w| Box::new(subscriber(Format::Text, levels, false, ansi, w))
+    }
+
+    pub(crate) struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
 
     impl std::io::Write for Sink {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {

@@ -710,6 +710,82 @@ async fn database_restarts_keep_outcomes_exact_(extra: &str) {
     assert!(10 * busy <= unavailable, "leases left behind by the restarts refused follow-ups: {tally:?}");
 }
 
+/// The database stopped under queries holding their leases, and away for
+/// longer than a lease lives: each query fails and says so once in the
+/// log; asking the database again meanwhile (whether a commit landed,
+/// giving a lease back) is not one warning per attempt, and the log says
+/// once how each lease it could not give back ended.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_away_is_logged_once_per_failure_not_per_attempt() {
+    a_database_away_is_logged_once_per_failure_not_per_attempt_("").await;
+}
+
+/// The same with leases kept between queries.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_away_is_logged_once_per_failure_not_per_attempt_with_kept_leases() {
+    a_database_away_is_logged_once_per_failure_not_per_attempt_("keep_lease_ms = 30000").await;
+}
+
+async fn a_database_away_is_logged_once_per_failure_not_per_attempt_(extra: &str) {
+    let cluster = Cluster::private().await;
+    let url = cluster.database().await;
+    let keys = format!("store_timeout_ms = 1000\nlease_ttl_ms = 2000\n{extra}");
+    let lattice = Arc::new(Lattice::spawn(&config(1000, &keys), &[(URL_ENV, url.as_str())]).await);
+    let mut sessions = Vec::new();
+    for i in 0..4 {
+        let out = lattice.query_with(query(&format!("start {i}"), None, Duration::from_secs(10))).await;
+        out.expect_ok();
+        sessions.push(out.session_id());
+    }
+    let before = lattice.process_logs().lines().count();
+    // Each query takes its lease, then waits a second for the model: the
+    // database stops meanwhile, before any of them commits.
+    let mut running = Vec::new();
+    for (i, sid) in sessions.iter().enumerate() {
+        let (lattice, sid) = (lattice.clone(), sid.clone());
+        running.push(tokio::spawn(async move {
+            lattice.query_with(query(&format!("away {i}"), Some(&sid), Duration::from_secs(4))).await.code()
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::task::block_in_place(|| cluster.stop());
+    for q in running {
+        let code = q.await.unwrap();
+        assert_ne!(code, Code::Ok);
+    }
+    // Away past the leases' time to live: nothing left to give back.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cluster.start().await;
+    health_turns(&lattice, true, Duration::from_secs(10), "after the database came back").await;
+
+    let logs = lattice.process_logs();
+    let during: Vec<&str> = logs.lines().skip(before).collect();
+    let warnings: Vec<&&str> = during.iter().filter(|l| l.contains(r#""level":"WARN""#)).collect();
+    let about = |operation: &str| {
+        let field = format!(r#""operation":"{operation}""#);
+        warnings.iter().filter(|l| l.contains(&field)).count()
+    };
+    let (commit, read_back, release) = (about("commit"), about("read back"), about("release"));
+    let ready = about("ready");
+    eprintln!(
+        "{} warnings: commit {commit}, read back {read_back}, release {release}, ready {ready}\n{}",
+        warnings.len(),
+        warnings.iter().map(|l| l.to_string()).collect::<Vec<_>>().join("\n")
+    );
+    assert!(commit >= 1, "no query's failure was logged");
+    // One line for each query's first try at each, at most.
+    assert!(read_back <= sessions.len(), "{read_back} warnings reading commits back");
+    assert!(release <= sessions.len(), "{release} warnings giving leases back");
+    // Health asks every second; the reason is said when it changes.
+    assert!(ready <= 2, "{ready} warnings from the readiness probe");
+    // Nor anything else on a timer (the leases' renewals, the keeper's
+    // statements every 50 ms): each query's commit and release, and a few.
+    let store_failed = warnings.iter().filter(|l| l.contains("session store failed")).count();
+    assert!(store_failed <= 4 * sessions.len(), "{store_failed} warnings of the store's failures");
+    let ended = during.iter().filter(|l| l.contains("a lease could not be given back")).count();
+    assert_eq!(ended, sessions.len(), "how each lease ended is said once");
+}
+
 /// Connection resets under 8 concurrent sessions for 20 s: every outcome
 /// exact (see [`resets_keep_outcomes_exact`]); a failed query gives its
 /// lease back, so its session's next query is rarely refused as busy.

@@ -6,6 +6,7 @@
 //! every wait on the database has.
 
 use std::{
+    cell::RefCell,
     future::Future,
     ops::Deref,
     sync::{
@@ -21,7 +22,7 @@ use tokio_postgres::{
     Statement,
     types::{ToSql, Type},
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{connect, pool::Object, shared::Lent};
 use crate::session::StoreError;
@@ -272,10 +273,66 @@ impl Conn<'_> {
     }
 }
 
+tokio::task_local! {
+    /// Set while an operation runs [`quietly`]: the reason it last failed.
+    static QUIET: RefCell<Option<String>>;
+}
+
+/// Runs `fut` with its failures logged at debug instead of warn, for an
+/// operation asked again (its first attempt said why it failed) or one
+/// whose caller says once what a run of failures came to: the output, and
+/// the reason of the last failure, if any.
+pub(super) async fn quietly<T>(fut: impl Future<Output = T>) -> (T, Option<String>) {
+    QUIET
+        .scope(RefCell::new(None), async {
+            let out = fut.await;
+            (out, QUIET.with(RefCell::take))
+        })
+        .await
+}
+
+/// Says the failures of an operation that recurs on a timer (the
+/// readiness probe, the keeper's statements) once for each run of them:
+/// the first, and again only when the reason changes. A database away for
+/// an hour is a line, not one a second.
+#[derive(Debug, Default)]
+pub(super) struct SaidOnce(Mutex<Option<String>>);
+
+impl SaidOnce {
+    /// Runs `fut`, operation `what`, saying its failure as above.
+    pub(super) async fn run<T>(
+        &self,
+        what: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let (answer, reason) = quietly(fut).await;
+        let mut said = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match (&answer, reason) {
+            (Ok(_), _) => *said = None,
+            (Err(_), Some(reason)) if said.as_deref() != Some(reason.as_str()) => {
+                warn!(operation = what, reason, "session store failed");
+                *said = Some(reason);
+            }
+            (Err(_), _) => {}
+        }
+        answer
+    }
+}
+
+/// Says why an operation failed: at warn, unless it runs [`quietly`].
+fn failed(what: &str, reason: &str, message: &str) {
+    let quiet = QUIET.try_with(|last| *last.borrow_mut() = Some(reason.to_owned())).is_ok();
+    if quiet {
+        debug!(operation = what, reason, "{message}");
+    } else {
+        warn!(operation = what, reason, "{message}");
+    }
+}
+
 /// Logs why an operation failed (never the connection string, never a
 /// statement's values) and maps it to "unavailable".
 pub(super) fn unavailable(what: &str, reason: &str) -> StoreError {
-    warn!(operation = what, reason, "session store failed");
+    failed(what, reason, "session store failed");
     StoreError::Unavailable("postgres")
 }
 
@@ -308,7 +365,7 @@ pub(super) async fn bounded<T>(
     match tokio::time::timeout_at(until, fut).await {
         Ok(result) => result,
         Err(_) => {
-            warn!(operation = what, "session store did not answer in time");
+            failed(what, "no answer within the time allowed", "session store did not answer in time");
             Err(late)
         }
     }
@@ -346,5 +403,39 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::from_millis(1500));
         let answered = async { Ok::<_, StoreError>(7) };
         assert_eq!(bounded(until, "get", StoreError::Deadline, answered).await, Ok(7));
+    }
+
+    /// A recurring operation's failures are said at warn once for each run
+    /// of them, and when their reason changes; the others at debug. An
+    /// operation run quietly says its failures at debug, and its caller
+    /// gets the last reason.
+    #[test]
+    fn failures_asked_again_are_said_once() {
+        use crate::logging::capture::{captured, text};
+        let fail = |reason: &'static str| async move { Err::<(), _>(unavailable("ready", reason)) };
+        let logs = captured(text("debug", false), || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                let said = SaidOnce::default();
+                for reason in ["refused", "refused", "refused", "no route", "refused"] {
+                    assert!(said.run("ready", fail(reason)).await.is_err());
+                }
+                assert_eq!(said.run("ready", async { Ok(()) }).await, Ok(()));
+                assert!(said.run("ready", fail("refused")).await.is_err());
+                let (answer, why) = quietly(fail("late")).await;
+                assert!(answer.is_err());
+                assert_eq!(why.as_deref(), Some("late"));
+                let never = std::future::pending::<Result<(), StoreError>>();
+                let (_, why) = quietly(bounded(Instant::now(), "release", StoreError::Deadline, never)).await;
+                assert_eq!(why.as_deref(), Some("no answer within the time allowed"));
+            });
+        });
+        let warned: Vec<&str> = logs.lines().filter(|l| l.contains("WARN")).collect();
+        let reasons: Vec<&str> = warned.iter().filter_map(|l| l.split("reason=\"").nth(1)?.split('"').next()).collect();
+        assert_eq!(reasons, ["refused", "no route", "refused", "refused"], "{logs}");
+        // Each failure is there at debug (the ones said too): six runs
+        // failed, and two quietly.
+        let debug = logs.lines().filter(|l| l.contains("DEBUG") && l.contains("session store")).count();
+        assert_eq!(debug, 6 + 2, "{logs}");
     }
 }

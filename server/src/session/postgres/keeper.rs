@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 
-use super::{Param, PostgresStore, bounded, db, kept};
+use super::{Param, PostgresStore, bounded, conn::SaidOnce, db, kept};
 use crate::session::StoreError;
 
 /// Whether the keeper runs, and its stop.
@@ -54,6 +54,8 @@ impl PostgresStore {
 
     async fn tend(self) {
         let Some(kept) = self.kept.clone() else { return };
+        // Its statements recur every poll: a database away is said once.
+        let said = SaidOnce::default();
         loop {
             tokio::select! {
                 () = self.keeper.stop.cancelled() => return,
@@ -61,13 +63,13 @@ impl PostgresStore {
             }
             let due = kept.due();
             if !due.expired.is_empty() {
-                let _ = self.give_back_all(&due.expired).await;
+                let _ = said.run("release", self.give_back_all(&due.expired)).await;
             }
             if !due.renew.is_empty() {
                 let started = tokio::time::Instant::now();
                 // Those not renewed were lost (they expired, and another
                 // replica took them): no longer kept.
-                if let Ok(renewed) = self.renew_all(&due.renew).await {
+                if let Ok(renewed) = said.run("renew", self.renew_all(&due.renew)).await {
                     for (id, token) in &due.renew {
                         if renewed.contains(token) {
                             kept.renewed(id, *token, started);
@@ -79,7 +81,7 @@ impl PostgresStore {
             }
             let asked: Vec<_> = due.idle.iter().chain(&due.in_use).cloned().collect();
             if !asked.is_empty()
-                && let Ok(wanted) = self.wanted(&asked).await
+                && let Ok(wanted) = said.run("handover", self.wanted(&asked)).await
             {
                 // Unused: handed over. In use: the session is busy (and
                 // the query's commit releases the lease instead of
@@ -90,10 +92,10 @@ impl PostgresStore {
                     .partition(|(id, token)| kept.hand_over(id, *token));
                 if !handed.is_empty() {
                     self.handovers.fetch_add(handed.len(), Ordering::Relaxed);
-                    let _ = self.give_back_all(&handed).await;
+                    let _ = said.run("release", self.give_back_all(&handed)).await;
                 }
                 if !busy.is_empty() {
-                    let _ = self.say_busy(&busy).await;
+                    let _ = said.run("handover", self.say_busy(&busy)).await;
                 }
             }
         }

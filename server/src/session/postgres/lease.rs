@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::{
     PostgresStore,
     backoff::Backoff,
     commit::{Commit, Sent},
-    conn::bounded,
+    conn::{bounded, quietly},
     db, kept,
 };
 use crate::{
@@ -72,11 +72,15 @@ impl PgLease {
             Ok(if self.store.landed(&self.id, self.held.token).await? { Ok(()) } else { Err(StoreError::LeaseLost) })
         };
         let ask = async {
+            if let Ok(outcome) = ask_once().await {
+                return outcome;
+            }
+            // No answer (a reset, a refused connection): ask again, saying
+            // why no more (the first attempt did, and the deadline will).
             loop {
-                match ask_once().await {
-                    Ok(outcome) => return outcome,
-                    // No answer (a reset, a refused connection): ask again.
-                    Err(_) => tokio::time::sleep(SETTLE_RETRY).await,
+                tokio::time::sleep(SETTLE_RETRY).await;
+                if let (Ok(outcome), _) = quietly(ask_once()).await {
+                    return outcome;
                 }
             }
         };
@@ -247,16 +251,38 @@ impl PostgresStore {
         tokio::spawn(async move {
             let mut again = give_back_backoff(store.lease_ttl);
             let mut tried = Some(tried);
+            let (mut attempts, mut reason) = (0_u32, None);
             loop {
+                attempts += 1;
                 let until = store.soon().min(again.until());
-                let give_back = store.give_back(&id, token, created);
-                let answered = bounded(until, "release", StoreError::Unavailable("postgres"), give_back).await.is_ok();
-                if let Some(tried) = tried.take() {
+                let give_back = bounded(until, "release", StoreError::Unavailable("postgres"), async {
+                    store.give_back(&id, token, created).await
+                });
+                // The first attempt says why it failed; the others, how
+                // they ended, once (below).
+                let answered = if let Some(tried) = tried.take() {
+                    let answered = give_back.await.is_ok();
                     let _ = tried.send(());
+                    answered
+                } else {
+                    let (answer, why) = quietly(give_back).await;
+                    reason = why.or(reason);
+                    answer.is_ok()
+                };
+                if answered {
+                    if attempts > 1 {
+                        info!(attempts, "a failed query's lease was given back once the session store answered");
+                    }
+                    return;
                 }
                 // A connection made during the pause (by any statement: the
                 // database is back) ends it at once.
-                if answered || !again.pause_or(store.connector.made()).await {
+                if !again.pause_or(store.connector.made()).await {
+                    warn!(
+                        attempts,
+                        reason = reason.as_deref(),
+                        "a lease could not be given back before it expired: its session was busy until then"
+                    );
                     return;
                 }
             }

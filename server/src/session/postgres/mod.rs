@@ -74,7 +74,7 @@ use std::{
 };
 
 use acquire::Holder;
-use conn::{Conn, Handle, Mode, Param, bounded, db, pool_error, pool_reason, unavailable};
+use conn::{Conn, Handle, Mode, Param, SaidOnce, bounded, db, pool_error, pool_reason, unavailable};
 use deadpool_postgres::{ManagerConfig, RecyclingMethod, Runtime};
 use lease::PgLease;
 use pool::Pool;
@@ -140,6 +140,8 @@ pub struct Inner {
     reads_kept: Arc<AtomicUsize>,
     /// Kept leases handed to another replica.
     handovers: Arc<AtomicUsize>,
+    /// Why the readiness probe fails, said once.
+    unready: Arc<SaidOnce>,
     /// Stops the keeper (started with the first lease kept).
     keeper: Arc<keeper::Keeper>,
     /// Commits waiting for their statement, grouped (see `group`).
@@ -244,6 +246,7 @@ impl PostgresStore {
             kept: (!settings.keep_lease.is_zero()).then(|| Arc::new(kept::Kept::new(settings.keep_lease, lease_ttl))),
             reads_kept: Arc::default(),
             handovers: Arc::default(),
+            unready: Arc::default(),
             keeper: Arc::default(),
             group: Arc::default(),
             renewer: Arc::new(renew::Renewer::new(lease_ttl, timeout)),
@@ -528,7 +531,7 @@ impl SessionStore for PostgresStore {
     }
 
     fn ready(&self) -> StoreFuture<'_, ()> {
-        Box::pin(bounded(self.soon(), "ready", StoreError::Unavailable("postgres"), async move {
+        let probe = bounded(self.soon(), "ready", StoreError::Unavailable("postgres"), async move {
             let client = self.conn("ready").await?;
             // Reachable is not enough: a server that takes no writes fails
             // every query.
@@ -540,7 +543,9 @@ impl SessionStore for PostgresStore {
                 return Err(unavailable("ready", connect::TAKES_NO_WRITES));
             }
             Ok(())
-        }))
+        });
+        // Health asks every second.
+        Box::pin(self.unready.run("ready", probe))
     }
 
     fn name(&self) -> &'static str {
