@@ -18,7 +18,7 @@ use lattice_tests::{
     Lattice, QueryOpts, canary, cfg, message_text,
     postgres::{Cluster, PgBouncer, connect},
     reset_proxy::ResetProxy,
-    temp_dir,
+    sample, temp_dir,
     tls::TestCa,
     workspace_binary,
 };
@@ -413,8 +413,10 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals_(extra: &st
     }
     // What each session's frozen query was told.
     let mut told = vec![Code::Ok; sessions.len()];
+    let mut told_unknown = 0;
     for q in running {
         let (session, code, took) = q.await.unwrap();
+        told_unknown += usize::from(code == Code::Unknown);
         assert_ne!(code, Code::Ok);
         // The client's own timer fires at the deadline too; Lattice must
         // have ended the query by then (plus a little for the reply).
@@ -424,6 +426,12 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals_(extra: &st
         }
     }
     health_turns(&lattice, false, Duration::from_secs(5), "after the database froze").await;
+    let metrics = lattice.metrics().await;
+    assert_eq!(sample(&metrics, "lattice_session_store_up"), Some(0.0));
+    eprintln!("told: {told:?}, UNKNOWN {told_unknown} of {}", 2 * sessions.len());
+    // Each query told UNKNOWN counted so, and no other.
+    let unknown = sample(&metrics, "lattice_session_commits_total{outcome=\"unknown\"}").unwrap_or_default();
+    assert_eq!(unknown, told_unknown as f64, "{metrics}");
     // Reading and deleting a session wait for it `store_timeout_ms` (1 s)
     // at most, and are told so.
     let started = Instant::now();
@@ -438,6 +446,7 @@ async fn a_silent_database_ends_each_query_by_its_deadline_and_heals_(extra: &st
 
     cluster.thaw();
     health_turns(&lattice, true, Duration::from_secs(10), "after the database thawed").await;
+    assert_eq!(sample(&lattice.metrics().await, "lattice_session_store_up"), Some(1.0));
     // Every session is usable again: no lease left held, nothing of the
     // failed queries stored.
     for sid in &sessions {
@@ -660,6 +669,21 @@ async fn outcomes_stay_exact<T>(
             assert!(times.get(prompt).is_none_or(|n| *n == 1), "{prompt}: UNKNOWN, stored twice");
         }
     }
+    // Each replica counted how its commits ended, and the counts agree
+    // with what the clients were told.
+    let mut commits: HashMap<&str, f64> = HashMap::new();
+    for replica in &replicas {
+        let text = replica.metrics().await;
+        for outcome in ["stored", "read_back_stored", "read_back_not_stored", "unknown"] {
+            let series = format!("lattice_session_commits_total{{outcome=\"{outcome}\"}}");
+            *commits.entry(outcome).or_default() += sample(&text, &series).unwrap_or_default();
+        }
+    }
+    eprintln!("commits: {commits:?}");
+    let told_ok = tally.get("ok").copied().unwrap_or(0) as f64;
+    assert_eq!(commits["stored"] + commits["read_back_stored"], told_ok, "stored: {commits:?}, {tally:?}");
+    let told_unknown = tally.get("unknown").copied().unwrap_or(0) as f64;
+    assert_eq!(commits["unknown"], told_unknown, "unknown: {commits:?}, {tally:?}");
     (faulted, tally)
 }
 

@@ -40,6 +40,11 @@ pub enum Family {
     SessionCommitStatements,
     /// Commits sent grouped with others, in one statement.
     SessionGroupedCommits,
+    /// Queries' commits (PostgreSQL store), by how they ended.
+    SessionCommits,
+    /// Whether the session store answers the readiness probe (PostgreSQL
+    /// store).
+    SessionStoreUp,
     /// Shadow hook calls, by agent, hook, outcome and agreement with the
     /// hook they shadow.
     ShadowHookCalls,
@@ -69,6 +74,8 @@ impl Family {
             Family::SessionLeaseHandovers => "lattice_session_lease_handovers_total",
             Family::SessionCommitStatements => "lattice_session_commit_statements_total",
             Family::SessionGroupedCommits => "lattice_session_grouped_commits_total",
+            Family::SessionCommits => "lattice_session_commits_total",
+            Family::SessionStoreUp => "lattice_session_store_up",
             Family::BusyPollTurns => "lattice_busy_poll_turns_total",
         }
     }
@@ -111,6 +118,11 @@ impl Family {
             Family::SessionGroupedCommits => {
                 "Query commits sent in grouped statements (with the grouped statements: the commits per statement)."
             }
+            Family::SessionCommits => {
+                "Query commits by outcome: stored, not_stored, lease_lost, read_back_stored and read_back_not_stored \
+                 (the answer was lost, and the commit read back), unknown (COMMIT_OUTCOME_UNKNOWN)."
+            }
+            Family::SessionStoreUp => "1 while the session store answers the readiness probe, 0 while it does not.",
             Family::SessionHistoryCacheBytes => {
                 "Conversations this replica keeps (sessions.history_cache_mib), in bytes of text and overhead."
             }
@@ -139,7 +151,7 @@ impl Family {
     pub(super) fn kind(self) -> MetricType {
         match self {
             Family::QueryDuration | Family::HookCallDuration | Family::ModelRequestDuration => MetricType::Histogram,
-            Family::HookReadyAddresses | Family::SessionHistoryCacheBytes => MetricType::Gauge,
+            Family::HookReadyAddresses | Family::SessionHistoryCacheBytes | Family::SessionStoreUp => MetricType::Gauge,
             _ => MetricType::Counter,
         }
     }
@@ -155,11 +167,13 @@ impl Family {
                 | Family::SessionLeaseHandovers
                 | Family::SessionCommitStatements
                 | Family::SessionGroupedCommits
+                | Family::SessionCommits
+                | Family::SessionStoreUp
                 | Family::BusyPollTurns
         )
     }
 
-    pub(super) const ALL: [Family; 18] = [
+    pub(super) const ALL: [Family; 20] = [
         Family::Queries,
         Family::QueryDuration,
         Family::HookCalls,
@@ -175,6 +189,8 @@ impl Family {
         Family::SessionLeaseHandovers,
         Family::SessionCommitStatements,
         Family::SessionGroupedCommits,
+        Family::SessionCommits,
+        Family::SessionStoreUp,
         Family::ShadowHookCalls,
         Family::ConfigReloads,
         Family::BusyPollTurns,

@@ -3,6 +3,11 @@
 //! checks; and what a statement's answer (or its failure) means for what
 //! was written.
 
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
+
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 
@@ -132,6 +137,64 @@ fn failed(e: tokio_postgres::Error) -> Sent {
     let refused = e.as_db_error().is_some();
     db("commit")(e);
     if refused { Sent::NotWritten } else { Sent::Unknown }
+}
+
+/// How a query's commit ended, as `lattice_session_commits_total` counts
+/// it (see the outcome table in docs/sessions.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Outcome {
+    /// The database answered: stored.
+    Stored,
+    /// Not stored: not sent before the deadline, or refused.
+    NotStored,
+    /// Not stored: the lease was no longer the query's.
+    LeaseLost,
+    /// The answer was lost; read back on another connection: stored.
+    ReadBackStored,
+    /// The answer was lost; the lease given back first, or gone: not
+    /// stored.
+    ReadBackNotStored,
+    /// The answer was lost and the store could not be asked again before
+    /// the deadline (`COMMIT_OUTCOME_UNKNOWN`).
+    Unknown,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 6] = [
+        Outcome::Stored,
+        Outcome::NotStored,
+        Outcome::LeaseLost,
+        Outcome::ReadBackStored,
+        Outcome::ReadBackNotStored,
+        Outcome::Unknown,
+    ];
+
+    /// Its label value.
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Stored => "stored",
+            Outcome::NotStored => "not_stored",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::ReadBackStored => "read_back_stored",
+            Outcome::ReadBackNotStored => "read_back_not_stored",
+            Outcome::Unknown => "unknown",
+        }
+    }
+}
+
+/// The commits that ended each way.
+#[derive(Debug, Default)]
+pub(super) struct Outcomes([Arc<AtomicUsize>; 6]);
+
+impl Outcomes {
+    pub(super) fn count(&self, outcome: Outcome) {
+        self.0[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Each outcome's label value and count.
+    pub(super) fn each(&self) -> impl Iterator<Item = (&'static str, Arc<AtomicUsize>)> + '_ {
+        Outcome::ALL.iter().map(|o| (o.label(), self.0[*o as usize].clone()))
+    }
 }
 
 /// The commit: one statement, so one round trip and atomic: the version

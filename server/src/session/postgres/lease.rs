@@ -10,7 +10,7 @@ use tracing::{debug, info, warn};
 use super::{
     PostgresStore,
     backoff::Backoff,
-    commit::{Commit, Sent},
+    commit::{Commit, Outcome, Sent},
     conn::{bounded, quietly},
     db, kept,
 };
@@ -118,11 +118,13 @@ impl LeaseHolder for PgLease {
             let rows: Vec<String> = appended
                 .iter()
                 .map(|m| serde_json::to_string(m).map_err(|_| StoreError::Unavailable("postgres")))
-                .collect::<Result<_, _>>()?;
+                .collect::<Result<_, _>>()
+                .inspect_err(|_| self.store.commits.count(Outcome::NotStored))?;
             let n = rows.len();
             if Instant::now() >= until {
                 // Not sent: nothing written.
                 self.give_back_later();
+                self.store.commits.count(Outcome::NotStored);
                 return Err(StoreError::Deadline);
             }
             // Kept, unless this replica is shutting down.
@@ -139,6 +141,7 @@ impl LeaseHolder for PgLease {
                 Err(_) if ticket.withdraw() => {
                     // Still waiting for its statement: nothing was sent.
                     self.give_back_later();
+                    self.store.commits.count(Outcome::NotStored);
                     return Err(StoreError::Deadline);
                 }
                 Err(_) => {
@@ -151,22 +154,23 @@ impl LeaseHolder for PgLease {
                     if let Some(next) = keep {
                         self.store.give_back_later(self.id.clone(), next, false);
                     }
+                    self.store.commits.count(Outcome::Unknown);
                     return Err(StoreError::CommitOutcomeUnknown);
                 }
             };
             // The token the lease is kept under, if the commit kept it.
             let mut next = None;
-            let outcome = match sent {
+            let (outcome, counted) = match sent {
                 Sent::Committed { kept } => {
                     next = keep.filter(|_| kept);
-                    Ok(())
+                    (Ok(()), Outcome::Stored)
                 }
-                Sent::LeaseGone => Err(StoreError::LeaseLost),
+                Sent::LeaseGone => (Err(StoreError::LeaseLost), Outcome::LeaseLost),
                 Sent::NotWritten => {
                     // The lease is given back, so that a retry finds the
                     // session free (best effort: else it expires).
                     let _ = tokio::time::timeout_at(until, self.give_back_later()).await;
-                    Err(StoreError::Unavailable("postgres"))
+                    (Err(StoreError::Unavailable("postgres")), Outcome::NotStored)
                 }
                 Sent::Unknown => {
                     // Boxed: a commit that was answered never carries
@@ -176,9 +180,15 @@ impl LeaseHolder for PgLease {
                         // Landed, maybe keeping the lease: not kept here.
                         self.store.give_back_later(self.id.clone(), next, false);
                     }
-                    outcome
+                    let counted = match &outcome {
+                        Ok(()) => Outcome::ReadBackStored,
+                        Err(StoreError::CommitOutcomeUnknown) => Outcome::Unknown,
+                        Err(_) => Outcome::ReadBackNotStored,
+                    };
+                    (outcome, counted)
                 }
             };
+            self.store.commits.count(counted);
             match &outcome {
                 Ok(()) => {
                     debug!(session_id = %self.id, appended = n, "session committed");

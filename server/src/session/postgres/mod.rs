@@ -142,6 +142,10 @@ pub struct Inner {
     handovers: Arc<AtomicUsize>,
     /// Why the readiness probe fails, said once.
     unready: Arc<SaidOnce>,
+    /// 1 while the readiness probe succeeds, 0 while it fails.
+    up: Arc<AtomicUsize>,
+    /// How queries' commits ended.
+    commits: Arc<commit::Outcomes>,
     /// Stops the keeper (started with the first lease kept).
     keeper: Arc<keeper::Keeper>,
     /// Commits waiting for their statement, grouped (see `group`).
@@ -247,6 +251,8 @@ impl PostgresStore {
             reads_kept: Arc::default(),
             handovers: Arc::default(),
             unready: Arc::default(),
+            up: Arc::default(),
+            commits: Arc::default(),
             keeper: Arc::default(),
             group: Arc::default(),
             renewer: Arc::new(renew::Renewer::new(lease_ttl, timeout)),
@@ -283,6 +289,10 @@ impl PostgresStore {
             metrics.gauge(Family::SessionHistoryReads, read("kept"), self.reads_kept.clone());
             metrics.gauge(Family::SessionLeaseHandovers, Vec::new(), self.handovers.clone());
         }
+        for (outcome, count) in self.commits.each() {
+            metrics.gauge(Family::SessionCommits, vec![("outcome", outcome.to_owned())], count);
+        }
+        metrics.gauge(Family::SessionStoreUp, Vec::new(), self.up.clone());
         let sent = |how: &str| vec![("sent", how.to_owned())];
         metrics.gauge(Family::SessionCommitStatements, sent("alone"), self.group.alone.clone());
         metrics.gauge(Family::SessionCommitStatements, sent("grouped"), self.group.grouped.clone());
@@ -545,7 +555,11 @@ impl SessionStore for PostgresStore {
             Ok(())
         });
         // Health asks every second.
-        Box::pin(self.unready.run("ready", probe))
+        Box::pin(async move {
+            let answer = self.unready.run("ready", probe).await;
+            self.up.store(usize::from(answer.is_ok()), Ordering::Relaxed);
+            answer
+        })
     }
 
     fn name(&self) -> &'static str {
