@@ -85,7 +85,7 @@ impl Cluster {
                 return Cluster { url, own: None, tls_only: false };
             }
         }
-        let mut cluster = Cluster::init(dir.join("cluster"), None, None, None).await;
+        let mut cluster = Cluster::init(dir.join("cluster"), None, None, None, "trust").await;
         let (_, port) = cluster.own.take().unwrap();
         std::fs::write(&port_file, port.to_string()).unwrap();
         // Left running for the next test process (no `own`: not stopped on drop).
@@ -107,20 +107,28 @@ impl Cluster {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        Cluster::init(dir, network, None, None).await
+        Cluster::init(dir, network, None, None, "trust").await
     }
 
     /// A private cluster that serves TLS with `cert_pem` and `key_pem` and
     /// refuses every plaintext TCP connection (`hostssl` lines only, and
     /// `hostnossl … reject`), as managed services commonly do.
     pub async fn tls_only(cert_pem: &str, key_pem: &str) -> Cluster {
-        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), None).await
+        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), None, "trust").await
+    }
+
+    /// [`Cluster::tls_only`], and every client over TCP authenticates with
+    /// a password (SCRAM-SHA-256, which over TLS PostgreSQL offers with
+    /// channel binding too): set one with `ALTER ROLE` on
+    /// [`Cluster::admin_url`].
+    pub async fn tls_only_with_passwords(cert_pem: &str, key_pem: &str) -> Cluster {
+        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), None, "scram-sha-256").await
     }
 
     /// [`Cluster::tls_only`], and every client must present a certificate
     /// signed by `client_ca_pem` (`clientcert=verify-ca`).
     pub async fn tls_only_with_client_certificates(cert_pem: &str, key_pem: &str, client_ca_pem: &str) -> Cluster {
-        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), Some(client_ca_pem)).await
+        Cluster::init(Cluster::tls_dir(), None, Some((cert_pem, key_pem)), Some(client_ca_pem), "trust").await
     }
 
     fn tls_dir() -> PathBuf {
@@ -164,12 +172,14 @@ impl Cluster {
         ended.get(0)
     }
 
-    /// initdb in `dir` (made anew), then start on a free port.
+    /// initdb in `dir` (made anew), then start on a free port; with `tls`,
+    /// TCP clients authenticate by `auth` (a pg_hba.conf method).
     async fn init(
         dir: PathBuf,
         network: Option<(&str, &str)>,
         tls: Option<(&str, &str)>,
         client_ca: Option<&str>,
+        auth: &str,
     ) -> Cluster {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -219,7 +229,10 @@ impl Cluster {
             let mut tls_hba = String::from("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n");
             for line in hba.lines() {
                 match line.strip_prefix("host ") {
-                    Some(rest) => tls_hba.push_str(&format!("hostssl {rest}{check_client}\n")),
+                    Some(rest) => {
+                        let rest = rest.strip_suffix("trust").map_or(rest.to_owned(), |r| format!("{r}{auth}"));
+                        tls_hba.push_str(&format!("hostssl {rest}{check_client}\n"));
+                    }
                     None => tls_hba.push_str(&format!("{line}\n")),
                 }
             }

@@ -28,14 +28,20 @@ pub struct TestCa {
 }
 
 impl TestCa {
-    /// A new CA named `name`.
+    /// A new CA named `name` (an ECDSA P-256 key: it signs with SHA-256).
     pub fn new(name: &str) -> TestCa {
+        TestCa::new_with(name, &rcgen::PKCS_ECDSA_P256_SHA256)
+    }
+
+    /// A new CA named `name` whose key signs with `algorithm`.
+    pub fn new_with(name: &str, algorithm: &'static rcgen::SignatureAlgorithm) -> TestCa {
         let dir = std::env::temp_dir().join(format!("lattice-tls-{name}-{}", crate::canary()));
         std::fs::create_dir_all(&dir).expect("a temporary directory");
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.distinguished_name.push(DnType::CommonName, format!("{name} test CA"));
-        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().expect("a key")).expect("a CA");
+        let key = KeyPair::generate_for(algorithm).expect("a key");
+        let issuer = CertifiedIssuer::self_signed(params, key).expect("a CA");
         let pem = issuer.pem();
         let file = dir.join("ca.pem");
         std::fs::write(&file, &pem).expect("writing the CA");

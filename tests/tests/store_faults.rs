@@ -140,6 +140,54 @@ async fn a_tls_only_database_is_reached_as_sslmode_says() {
     }
 }
 
+/// A password sent over TLS is bound to the TLS connection
+/// (SCRAM-SHA-256-PLUS, libpq's `channel_binding`), so that even with
+/// `sslmode=require`, which checks no certificate, a man in the middle
+/// cannot pass it on. With `channel_binding=require`, as some providers'
+/// consoles give it, Lattice connects only if the binding was made, and
+/// PostgreSQL checks it: certificates signed with SHA-256 and SHA-384
+/// (the binding hashes the certificate as it is signed). A server that
+/// authenticates without a password cannot bind, and is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_password_over_tls_is_bound_to_the_connection() {
+    for (name, algorithm) in
+        [("pg-sha256", &rcgen::PKCS_ECDSA_P256_SHA256), ("pg-sha384", &rcgen::PKCS_ECDSA_P384_SHA384)]
+    {
+        let ca = TestCa::new_with(name, algorithm);
+        let server = ca.issue("127.0.0.1");
+        let cluster = Cluster::tls_only_with_passwords(&server.cert_pem, &server.key_pem).await;
+        let password = canary();
+        let admin = connect(&cluster.admin_url("postgres")).await;
+        admin.batch_execute(&format!("ALTER ROLE postgres PASSWORD '{password}'")).await.unwrap();
+        let database = cluster.database().await;
+        let with = |password: &str, params: &str| {
+            let at = database.replacen("postgres@", &format!("postgres:{password}@"), 1);
+            format!("{at}?{params}")
+        };
+        for params in [
+            "sslmode=require&channel_binding=require".to_owned(),
+            format!("sslmode=verify-full&sslrootcert={}&channel_binding=require", ca.file.display()),
+            "sslmode=require".to_owned(),
+        ] {
+            let url = with(&password, &params);
+            let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+            let first = lattice.query("a", "bound").await;
+            assert_eq!(first.expect_ok().text, "seen 1", "{name}: {params}");
+            assert!(!lattice.process_logs().contains(&password), "{name}: {params}: the password reached the log");
+        }
+        let exit = "on_unreachable = \"exit\"";
+        let wrong = with("not-the-password", "sslmode=require&channel_binding=require");
+        let (ok, said) = serve_until_exit(&config(0, exit), &wrong).await;
+        assert!(!ok && said.contains("the server refused the password"), "{name}: a wrong password:\n{said}");
+    }
+    let ca = TestCa::new("pg-trust");
+    let server = ca.issue("127.0.0.1");
+    let trusting = Cluster::tls_only(&server.cert_pem, &server.key_pem).await;
+    let url = format!("{}?sslmode=require&channel_binding=require", trusting.database().await);
+    let (ok, said) = serve_until_exit(&config(0, "on_unreachable = \"exit\""), &url).await;
+    assert!(!ok && said.contains("did not bind the password"), "no password asked:\n{said}");
+}
+
 /// A connection string naming several hosts, as libpq takes them (an HA
 /// pair's endpoints, in order): the first that answers serves, and with
 /// `verify-full` the certificate is checked against the host reached. With

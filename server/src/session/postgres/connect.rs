@@ -186,6 +186,12 @@ pub fn reason(e: &tokio_postgres::Error) -> String {
         if err.to_string() == "server does not support TLS" {
             return "the server does not accept TLS (sslmode requires it)".to_owned();
         }
+        if err.to_string() == "server did not use channel binding" {
+            return "channel_binding=require, but the server did not bind the password to the TLS connection \
+                    (SCRAM-SHA-256-PLUS): it authenticates otherwise (trust, md5, a certificate), or a pooler \
+                    answers for it"
+                .to_owned();
+        }
         source = err.source();
     }
     if e.is_closed() {
@@ -318,16 +324,80 @@ impl TlsConnect<Socket> for RustlsConnect {
     }
 }
 
-/// A TLS connection to the server. Channel binding (SCRAM-SHA-256-PLUS)
-/// is not offered: tokio-postgres then authenticates with SCRAM-SHA-256,
-/// as libpq does with its default `channel_binding=prefer` when the
-/// client has none.
+/// A TLS connection to the server. It offers channel binding
+/// (SCRAM-SHA-256-PLUS, `tls-server-end-point`): a password then proves
+/// that the server holding it is the one at the other end of this TLS
+/// connection, which with `sslmode=require` (no certificate checked) is
+/// what stops a man in the middle. libpq's `channel_binding` (`prefer`,
+/// the default; `require`; `disable`) says whether it is used.
 pub struct TlsStream(tokio_rustls::client::TlsStream<Socket>);
 
 impl tokio_postgres::tls::TlsStream for TlsStream {
     fn channel_binding(&self) -> ChannelBinding {
-        ChannelBinding::none()
+        let (_, session) = self.0.get_ref();
+        let certificate = session.peer_certificates().and_then(<[_]>::first);
+        certificate
+            .and_then(|c| server_end_point(c.as_ref()))
+            .map_or_else(ChannelBinding::none, ChannelBinding::tls_server_end_point)
     }
+}
+
+/// RFC 5929's `tls-server-end-point` of a server certificate (DER): its
+/// hash by its signature's hash function, SHA-256 for MD5 and SHA-1, as
+/// PostgreSQL computes it on its side. None for a signature with no such
+/// hash (Ed25519, RSASSA-PSS) or one ring lacks (SHA-224): no binding is
+/// offered then, and `channel_binding=require` refuses the connection.
+fn server_end_point(certificate: &[u8]) -> Option<Vec<u8>> {
+    const RSA: [u8; 8] = [0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01];
+    const ECDSA_SHA1: [u8; 7] = [0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01];
+    const ECDSA_SHA2: [u8; 7] = [0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03];
+    use ring::digest::{SHA256, SHA384, SHA512};
+    let oid = signature_algorithm(certificate)?;
+    let hash = match oid {
+        [rsa @ .., n] if *rsa == RSA => match n {
+            0x04 | 0x05 | 0x0b => &SHA256, // md5, sha1, sha256 WithRSAEncryption
+            0x0c => &SHA384,
+            0x0d => &SHA512,
+            _ => return None,
+        },
+        _ if oid == ECDSA_SHA1 => &SHA256,
+        [ecdsa @ .., n] if *ecdsa == ECDSA_SHA2 => match n {
+            0x02 => &SHA256,
+            0x03 => &SHA384,
+            0x04 => &SHA512,
+            _ => return None,
+        },
+        _ => return None,
+    };
+    Some(ring::digest::digest(hash, certificate).as_ref().to_vec())
+}
+
+/// The OID of a certificate's `signatureAlgorithm` (the outer one, after
+/// the signed part), read from its DER without trusting any length.
+fn signature_algorithm(certificate: &[u8]) -> Option<&[u8]> {
+    let (0x30, certificate, _) = der_element(certificate)? else { return None };
+    let (0x30, _signed, rest) = der_element(certificate)? else { return None };
+    let (0x30, algorithm, _) = der_element(rest)? else { return None };
+    let (0x06, oid, _) = der_element(algorithm)? else { return None };
+    Some(oid)
+}
+
+/// A DER element at the start of `der`: its tag, its content, and what
+/// follows it.
+fn der_element(der: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = der.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let (len, rest) = rest.split_at(n);
+        (len.iter().fold(0, |acc, b| (acc << 8) | usize::from(*b)), rest)
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
 }
 
 impl AsyncRead for TlsStream {
@@ -431,5 +501,47 @@ impl ServerCertVerifier for Signed {
     }
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.webpki.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn self_signed(algorithm: &'static rcgen::SignatureAlgorithm) -> Vec<u8> {
+        let key = rcgen::KeyPair::generate_for(algorithm).unwrap();
+        let params = rcgen::CertificateParams::new(vec!["db.example".to_owned()]).unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    /// The end point is the certificate's hash by its signature's hash
+    /// function, as PostgreSQL computes it.
+    #[test]
+    fn the_end_point_is_hashed_as_the_certificate_is_signed() {
+        use ring::digest::{SHA256, SHA384, digest};
+        for (algorithm, hash) in [(&rcgen::PKCS_ECDSA_P256_SHA256, &SHA256), (&rcgen::PKCS_ECDSA_P384_SHA384, &SHA384)]
+        {
+            let der = self_signed(algorithm);
+            assert_eq!(server_end_point(&der), Some(digest(hash, &der).as_ref().to_vec()), "{algorithm:?}");
+        }
+        // Ed25519 has no hash of its own: no binding.
+        assert_eq!(server_end_point(&self_signed(&rcgen::PKCS_ED25519)), None);
+    }
+
+    /// A certificate cut short or garbled anywhere yields no end point,
+    /// and no panic.
+    #[test]
+    fn a_broken_certificate_has_no_end_point() {
+        let der = self_signed(&rcgen::PKCS_ECDSA_P256_SHA256);
+        for n in 0..der.len() {
+            assert_eq!(server_end_point(&der[..n]), None, "cut at {n}");
+        }
+        for i in 0..der.len() {
+            let mut garbled = der.clone();
+            garbled[i] ^= 0xff;
+            let _ = server_end_point(&garbled);
+        }
+        assert_eq!(server_end_point(&[0x30, 0x84, 0xff, 0xff, 0xff, 0xff]), None);
+        assert_eq!(server_end_point(&[0x30, 0x80]), None);
     }
 }
