@@ -97,11 +97,13 @@ pub fn transport_opted_in() -> bool {
     std::env::var(TRANSPORT_OPT_IN).is_ok_and(|v| v == "1")
 }
 
-/// Whether an event comes from a crate that handles peers' bytes.
+/// Whether an event comes from a crate that handles peers' bytes: its
+/// target is the crate's name, or starts with it and `::` (a module) or
+/// `.` (deadpool-postgres's `deadpool.postgres`).
 pub fn from_transport(target: &str) -> bool {
-    TRANSPORT_TARGETS
-        .iter()
-        .any(|t| target.strip_prefix(t).is_some_and(|rest| rest.is_empty() || rest.starts_with("::")))
+    TRANSPORT_TARGETS.iter().any(|t| {
+        target.strip_prefix(t).is_some_and(|rest| rest.is_empty() || rest.starts_with("::") || rest.starts_with('.'))
+    })
 }
 
 /// The text format's fields, written as tracing-subscriber's default

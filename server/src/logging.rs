@@ -51,10 +51,19 @@ mod tests {
 
     #[test]
     fn transport_crates_and_their_modules_are_recognised() {
-        for t in ["h2", "h2::proto::connection", "hyper::client", "hyper_util::client::legacy", "tonic::transport"] {
+        for t in [
+            "h2",
+            "h2::proto::connection",
+            "hyper::client",
+            "hyper_util::client::legacy",
+            "tonic::transport",
+            "tokio_postgres::query",
+            // deadpool-postgres names its target with a dot.
+            "deadpool.postgres",
+        ] {
             assert!(from_transport(t), "{t}");
         }
-        for t in ["lattice_server::hooks", "lattice::trace", "h2o", "tonicity", "towers"] {
+        for t in ["lattice_server::hooks", "lattice::trace", "h2o", "tonicity", "towers", "deadpools"] {
             assert!(!from_transport(t), "{t}");
         }
     }

@@ -854,6 +854,9 @@ async fn a_database_away_is_logged_once_per_failure_not_per_attempt_(extra: &str
     // statements every 50 ms): each query's commit and release, and a few.
     let store_failed = warnings.iter().filter(|l| l.contains("session store failed")).count();
     assert!(store_failed <= 4 * sessions.len(), "{store_failed} warnings of the store's failures");
+    // The database client's crates are silenced, whatever their targets.
+    let client = during.iter().filter(|l| l.contains(r#""target":"deadpool"#) || l.contains("tokio_postgres"));
+    assert_eq!(client.count(), 0, "the database client's own lines reached the log");
     let ended = during.iter().filter(|l| l.contains("a lease could not be given back")).count();
     assert_eq!(ended, sessions.len(), "how each lease ended is said once");
 }
