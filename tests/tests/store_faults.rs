@@ -234,6 +234,44 @@ async fn a_list_of_hosts_is_tried_in_order() {
     let alone = format!("postgres://postgres@127.0.0.1:{}/{name}?target_session_attrs=read-write", standby.port());
     let (ok, said) = serve_until_exit(&exit, &alone).await;
     assert!(!ok && said.contains("the server takes no writes"), "{said}");
+    // No host usable: the log says why for each, by its place.
+    let (port, gone) = (standby.port(), gone.port());
+    let neither =
+        format!("postgres://postgres@127.0.0.1:{gone},127.0.0.1:{port}/{name}?target_session_attrs=read-write");
+    let (ok, said) = serve_until_exit(&exit, &neither).await;
+    assert!(!ok, "{said}");
+    for reason in ["host 1 of 2: connection refused", "host 2 of 2: the server takes no writes"] {
+        assert!(said.contains(reason), "no {reason:?} in:\n{said}");
+    }
+}
+
+/// `sslmode=allow` with several hosts, as libpq does it: each host is
+/// tried whole (plaintext, then TLS) before the next, so a first host that
+/// requires TLS serves over TLS rather than the second in plaintext.
+#[tokio::test(flavor = "multi_thread")]
+async fn sslmode_allow_tries_each_host_whole_before_the_next() {
+    let ca = TestCa::new("pg-allow");
+    let server = ca.issue("127.0.0.1");
+    let tls_only = Cluster::tls_only(&server.cert_pem, &server.key_pem).await;
+    let database = tls_only.database().await;
+    let name = database.rsplit('/').next().unwrap().to_owned();
+    let plaintext = Cluster::private().await;
+    connect(&plaintext.admin_url("postgres")).await.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/{name}?sslmode=allow",
+        tls_only.port(),
+        plaintext.port()
+    );
+    let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+    let first = lattice.query("a", "where").await;
+    first.expect_ok();
+    let stored = "SELECT count(*) FROM lattice_sessions WHERE id = $1";
+    let sid = first.session_id();
+    let on_first = connect(&tls_only.admin_url(&name)).await.query_one(stored, &[&sid]).await.unwrap();
+    assert_eq!(on_first.get::<_, i64>(0), 1, "the session is not on the first host");
+    let second = connect(&plaintext.admin_url(&name)).await;
+    let schema = second.query_one("SELECT to_regclass('lattice_sessions') IS NOT NULL", &[]).await.unwrap();
+    assert!(!schema.get::<_, bool>(0), "the second host was used");
 }
 
 /// A database that stops taking writes (a primary turned standby, or a

@@ -27,7 +27,7 @@ use tokio::{
 };
 use tokio_postgres::{
     Client, Config, NoTls, Socket,
-    config::SslMode as PgSslMode,
+    config::{Host, LoadBalanceHosts, SslMode as PgSslMode},
     tls::{ChannelBinding, MakeTlsConnect, TlsConnect},
 };
 use tracing::warn;
@@ -40,12 +40,53 @@ pub struct Connector {
     tls: TlsParams,
     /// Told each time a connection is made (shared by every clone).
     made: Arc<tokio::sync::Notify>,
+    /// Why each listed host failed, once said (while it stays so).
+    hosts_failed: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Connector {
     /// Connections with `tls`.
     pub fn new(tls: TlsParams) -> Self {
-        Self { tls, made: Arc::default() }
+        Self { tls, made: Arc::default(), hosts_failed: Arc::default() }
+    }
+
+    /// A connection to the first of the string's hosts that takes one,
+    /// tried in order one at a time as libpq does: each with the whole of
+    /// `sslmode` (`allow` tries plaintext, then TLS, on a host before the
+    /// next) and `target_session_attrs`. When none does, the log says why
+    /// for each host (by its place in the list, never its name), once
+    /// while the reasons stay the same; the error is the last host's.
+    /// With `load_balance_hosts=random`, tokio-postgres picks the order
+    /// and says only the last host's reason.
+    async fn connect_in_turn(&self, pg: &Config) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        let n = pg.get_hosts().len().max(pg.get_hostaddrs().len());
+        if n <= 1 || pg.get_load_balance_hosts() == LoadBalanceHosts::Random {
+            return self.connect_as_sslmode(pg).await;
+        }
+        let mut reasons = Vec::new();
+        for i in 0..n - 1 {
+            match self.connect_as_sslmode(&one_host(pg, i)).await {
+                Ok(made) => return Ok(self.hosts_answered(made)),
+                Err(e) => reasons.push(format!("host {} of {n}: {}", i + 1, reason(&e))),
+            }
+        }
+        let e = match self.connect_as_sslmode(&one_host(pg, n - 1)).await {
+            Ok(made) => return Ok(self.hosts_answered(made)),
+            Err(e) => e,
+        };
+        reasons.push(format!("host {n} of {n}: {}", reason(&e)));
+        let reasons = reasons.join("; ");
+        let mut said = crate::sync::lock(&self.hosts_failed);
+        if said.as_deref() != Some(reasons.as_str()) {
+            warn!(reasons, "session store: no host in the connection string could be used");
+            *said = Some(reasons);
+        }
+        Err(e)
+    }
+
+    fn hosts_answered<T>(&self, made: T) -> T {
+        *crate::sync::lock(&self.hosts_failed) = None;
+        made
     }
 
     /// Resolves when a connection is next made: the database, if it was
@@ -98,13 +139,69 @@ impl Connect for Connector {
     fn connect(&self, pg: &Config) -> BoxFuture<'_, Result<(Client, JoinHandle<()>), tokio_postgres::Error>> {
         let pg = pg.clone();
         Box::pin(async move {
-            let made = self.connect_as_sslmode(&pg).await;
+            let made = self.connect_in_turn(&pg).await;
             if made.is_ok() {
                 self.made.notify_waiters();
             }
             made
         })
     }
+}
+
+/// `pg` narrowed to its host `i` (with its `hostaddr`, and its port, or
+/// the one port all share), every other setting as it was.
+fn one_host(pg: &Config, i: usize) -> Config {
+    let mut one = Config::new();
+    if let Some(user) = pg.get_user() {
+        one.user(user);
+    }
+    if let Some(password) = pg.get_password() {
+        one.password(password);
+    }
+    if let Some(dbname) = pg.get_dbname() {
+        one.dbname(dbname);
+    }
+    if let Some(options) = pg.get_options() {
+        one.options(options);
+    }
+    if let Some(name) = pg.get_application_name() {
+        one.application_name(name);
+    }
+    match pg.get_hosts().get(i) {
+        Some(Host::Tcp(host)) => {
+            one.host(host);
+        }
+        Some(Host::Unix(path)) => {
+            one.host_path(path);
+        }
+        None => {}
+    }
+    if let Some(addr) = pg.get_hostaddrs().get(i) {
+        one.hostaddr(*addr);
+    }
+    let ports = pg.get_ports();
+    if let Some(port) = if ports.len() == 1 { ports.first() } else { ports.get(i) } {
+        one.port(*port);
+    }
+    if let Some(timeout) = pg.get_connect_timeout() {
+        one.connect_timeout(*timeout);
+    }
+    if let Some(timeout) = pg.get_tcp_user_timeout() {
+        one.tcp_user_timeout(*timeout);
+    }
+    one.keepalives(pg.get_keepalives()).keepalives_idle(pg.get_keepalives_idle());
+    if let Some(interval) = pg.get_keepalives_interval() {
+        one.keepalives_interval(interval);
+    }
+    if let Some(retries) = pg.get_keepalives_retries() {
+        one.keepalives_retries(retries);
+    }
+    one.ssl_mode(pg.get_ssl_mode())
+        .ssl_negotiation(pg.get_ssl_negotiation())
+        .target_session_attrs(pg.get_target_session_attrs())
+        .channel_binding(pg.get_channel_binding())
+        .load_balance_hosts(pg.get_load_balance_hosts());
+    one
 }
 
 /// Whether the server refused a plaintext connection for want of TLS
@@ -526,6 +623,35 @@ mod tests {
         }
         // Ed25519 has no hash of its own: no binding.
         assert_eq!(server_end_point(&self_signed(&rcgen::PKCS_ED25519)), None);
+    }
+
+    /// A host of a list, narrowed to, is the same string naming it alone
+    /// (every setting kept: `Config` compares them all).
+    #[test]
+    fn one_host_of_a_list_keeps_every_setting() {
+        let settings = "user=u password=p dbname=d options='-c x=1' application_name=a connect_timeout=7 \
+                        tcp_user_timeout=9 keepalives=1 keepalives_idle=11 keepalives_interval=3 \
+                        keepalives_retries=4 target_session_attrs=read-write channel_binding=require \
+                        sslmode=require sslnegotiation=direct";
+        let list: Config =
+            format!("host=a,/run/pg,c hostaddr=10.0.0.1,10.0.0.2,10.0.0.3 port=1,2,3 {settings}").parse().unwrap();
+        for (i, alone) in [
+            "host=a hostaddr=10.0.0.1 port=1",
+            "host=/run/pg hostaddr=10.0.0.2 port=2",
+            "host=c hostaddr=10.0.0.3 port=3",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let alone: Config = format!("{alone} {settings}").parse().unwrap();
+            assert_eq!(one_host(&list, i), alone, "host {i}");
+        }
+        // One port for all.
+        let shared: Config = "host=a,b port=5 user=u".parse().unwrap();
+        assert_eq!(one_host(&shared, 1), "host=b port=5 user=u".parse::<Config>().unwrap());
+        // No port: the default.
+        let none: Config = "host=a,b".parse().unwrap();
+        assert_eq!(one_host(&none, 0), "host=a".parse::<Config>().unwrap());
     }
 
     /// A certificate cut short or garbled anywhere yields no end point,
