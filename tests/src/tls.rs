@@ -109,3 +109,78 @@ impl Drop for TestCa {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A server that takes TLS at once, as PostgreSQL 17 does for a client's
+/// `sslnegotiation=direct` (no SSLRequest first): it completes the
+/// handshake as a leaf, refuses a client that did not ask for the ALPN
+/// protocol `postgresql` (as PostgreSQL does, against cross-protocol
+/// attacks), and passes what it decrypts to a plaintext PostgreSQL.
+pub struct DirectTls {
+    /// Where it listens.
+    pub addr: std::net::SocketAddr,
+    served: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DirectTls {
+    /// Serves as `leaf` in front of the PostgreSQL at `upstream`.
+    pub async fn start(leaf: &Leaf, upstream: std::net::SocketAddr) -> DirectTls {
+        use std::sync::{
+            Arc,
+            atomic::{AtomicUsize, Ordering},
+        };
+
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(leaf.cert_pem.as_bytes()).collect::<Result<_, _>>().expect("a chain");
+        let key = PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).expect("a key");
+        let mut config =
+            rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("TLS versions")
+                .with_no_client_auth()
+                .with_single_cert(chain, key)
+                .expect("a server config");
+        config.alpn_protocols = vec![b"postgresql".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let addr = listener.local_addr().expect("an address");
+        let (served, refused): (Arc<AtomicUsize>, Arc<AtomicUsize>) = (Arc::default(), Arc::default());
+        let (counts_served, counts_refused) = (Arc::clone(&served), Arc::clone(&refused));
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (acceptor, served, refused) =
+                    (acceptor.clone(), Arc::clone(&counts_served), Arc::clone(&counts_refused));
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(stream).await else {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    };
+                    if tls.get_ref().1.alpn_protocol() != Some(b"postgresql".as_slice()) {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    served.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(mut database) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut tls, &mut database).await;
+                    }
+                });
+            }
+        });
+        DirectTls { addr, served, refused, task }
+    }
+
+    /// The connections it passed on, and those it refused (no ALPN
+    /// `postgresql`, or no handshake).
+    pub fn counts(&self) -> (usize, usize) {
+        use std::sync::atomic::Ordering;
+        (self.served.load(Ordering::Relaxed), self.refused.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for DirectTls {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -19,7 +19,7 @@ use lattice_tests::{
     postgres::{Cluster, PgBouncer, connect},
     reset_proxy::ResetProxy,
     sample, temp_dir,
-    tls::TestCa,
+    tls::{DirectTls, TestCa},
     workspace_binary,
 };
 use tonic::Code;
@@ -186,6 +186,36 @@ async fn a_password_over_tls_is_bound_to_the_connection() {
     let url = format!("{}?sslmode=require&channel_binding=require", trusting.database().await);
     let (ok, said) = serve_until_exit(&config(0, "on_unreachable = \"exit\""), &url).await;
     assert!(!ok && said.contains("did not bind the password"), "no password asked:\n{said}");
+}
+
+/// `sslnegotiation=direct` (PostgreSQL 17): TLS at once, without asking
+/// the server first, and with the ALPN protocol `postgresql`, which such a
+/// server requires. Here a TLS terminator that behaves so, in front of a
+/// plaintext PostgreSQL. `direct` with an `sslmode` that may fall back to
+/// plaintext is refused at start-up, as libpq refuses it.
+#[tokio::test(flavor = "multi_thread")]
+async fn sslnegotiation_direct_reaches_a_server_that_takes_tls_at_once() {
+    let ca = TestCa::new("pg-direct");
+    let server = ca.issue("127.0.0.1");
+    let (database, upstream) = database_and_upstream().await;
+    let direct = DirectTls::start(&server, upstream).await;
+    let url = |params: &str| format!("postgres://postgres@{}/{database}?{params}", direct.addr);
+    for params in [
+        format!("sslmode=verify-full&sslrootcert={}&sslnegotiation=direct", ca.file.display()),
+        "sslmode=require&sslnegotiation=direct".to_owned(),
+    ] {
+        let url = url(&params);
+        let lattice = Lattice::spawn(&config(0, ""), &[(URL_ENV, url.as_str())]).await;
+        assert_eq!(lattice.query("a", "direct").await.expect_ok().text, "seen 1", "{params}");
+    }
+    let (served, refused) = direct.counts();
+    assert!(served > 0 && refused == 0, "served {served}, refused {refused}");
+    let exit = config(0, "on_unreachable = \"exit\"");
+    for weak in ["sslnegotiation=direct", "sslmode=prefer&sslnegotiation=direct", "sslmode=allow&sslnegotiation=direct"]
+    {
+        let (ok, said) = serve_until_exit(&exit, &url(weak)).await;
+        assert!(!ok && said.contains("sslnegotiation=direct needs sslmode"), "{weak}:\n{said}");
+    }
 }
 
 /// A connection string naming several hosts, as libpq takes them (an HA

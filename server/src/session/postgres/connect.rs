@@ -374,8 +374,8 @@ impl Rustls {
             .map_err(|e| TlsSetupError(format!("TLS: {e}")))?
             .dangerous()
             .with_custom_certificate_verifier(verifier);
-        match &self.params.client {
-            None => Ok(builder.with_no_client_auth()),
+        let mut config = match &self.params.client {
+            None => builder.with_no_client_auth(),
             Some((cert, key)) => {
                 let chain: Vec<CertificateDer<'static>> =
                     CertificateDer::pem_slice_iter(&read("sslcert", cert)?).flatten().collect();
@@ -386,9 +386,13 @@ impl Rustls {
                     .map_err(|_| TlsSetupError(format!("sslkey {}: no PEM private key in it", key.display())))?;
                 builder
                     .with_client_auth_cert(chain, key_der)
-                    .map_err(|e| TlsSetupError(format!("sslcert and sslkey: {e}")))
+                    .map_err(|e| TlsSetupError(format!("sslcert and sslkey: {e}")))?
             }
-        }
+        };
+        // As libpq does: PostgreSQL 17 requires it of a client that starts
+        // with TLS (`sslnegotiation=direct`), and earlier servers ignore it.
+        config.alpn_protocols = vec![b"postgresql".to_vec()];
+        Ok(config)
     }
 }
 

@@ -157,6 +157,15 @@ pub fn parse(text: &str) -> Result<Target, String> {
         // Its message names a bad option or value kind, never the string.
         format!("it does not parse ({e})")
     })?;
+    // TLS at once leaves no plaintext to fall back to (libpq refuses it too).
+    if config.get_ssl_negotiation() == tokio_postgres::config::SslNegotiation::Direct
+        && !matches!(mode, SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull)
+    {
+        return Err(format!(
+            "sslnegotiation=direct needs sslmode=require, verify-ca or verify-full, not {}",
+            mode.as_str()
+        ));
+    }
     Ok(Target { config, tls: TlsParams { mode, root, client } })
 }
 
@@ -304,6 +313,8 @@ mod tests {
             ("postgres://u:hunter2@db/app?sslmode=disable&sslrootcert=/ca.pem", "sslmode=disable"),
             ("postgres://u:hunter2@db/app?nonsense=1", "does not parse"),
             ("host=db password='hunter2", "unclosed quote"),
+            ("postgres://u:hunter2@db/app?sslnegotiation=direct", "needs sslmode=require"),
+            ("host=db password=hunter2 sslmode=allow sslnegotiation=direct", "not allow"),
         ] {
             let e = parse(url).unwrap_err();
             assert!(e.contains(expected), "{url}: {e}");
