@@ -306,7 +306,7 @@ impl SaidOnce {
         fut: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let (answer, reason) = quietly(fut).await;
-        let mut said = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut said = crate::sync::lock(&self.0);
         match (&answer, reason) {
             (Ok(_), _) => *said = None,
             (Err(_), Some(reason)) if said.as_deref() != Some(reason.as_str()) => {

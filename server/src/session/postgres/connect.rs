@@ -404,7 +404,9 @@ impl MakeTlsConnect<Socket> for Rustls {
     fn make_tls_connect(&mut self, host: &str) -> Result<RustlsConnect, TlsSetupError> {
         let name = ServerName::try_from(host.to_owned())
             .map_err(|_| TlsSetupError("the host is not a name or address TLS can check".into()))?;
-        let config = self.config().inspect_err(|e| warn!(reason = %e.0, "session store: TLS is not usable"))?;
+        // Its reason is the connection's error, which whoever asked for the
+        // connection logs (once, for what recurs).
+        let config = self.config()?;
         Ok(RustlsConnect { name, connector: tokio_rustls::TlsConnector::from(Arc::new(config)) })
     }
 }
