@@ -34,7 +34,7 @@ use tokio::{
 use tokio_postgres::types::Type;
 use tracing::warn;
 
-use super::{Conn, Param, PostgresStore, db, keeper::columns};
+use super::{Conn, Param, PostgresStore, conn::SaidOnce, db, keeper::columns};
 use crate::{session::StoreError, sync::lock};
 
 /// The leases of the replica's running queries, and the task's next wake.
@@ -211,9 +211,12 @@ impl PostgresStore {
     pub(super) fn renew(&self, id: &str, token: uuid::Uuid, held_until: Instant) -> (Renewal, watch::Receiver<bool>) {
         if self.renewer.start() {
             let store = self.clone();
+            // Renewals recur every third of a lease: a database away is
+            // said once.
+            let said = Arc::new(SaidOnce::default());
             tokio::spawn(self.renewer.clone().run(move |batch| {
-                let store = store.clone();
-                async move { store.renew_running(batch).await }
+                let (store, said) = (store.clone(), said.clone());
+                async move { said.run("renew", store.renew_running(batch)).await }
             }));
         }
         self.renewer.hold(id, token, held_until)
