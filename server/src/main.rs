@@ -217,10 +217,7 @@ async fn migrate(path: &std::path::Path) -> ExitCode {
         return ExitCode::from(EXIT_CONFIG);
     };
     if pg.url.is_empty() {
-        eprintln!(
-            "lattice migrate: environment variable {:?} is not set (the PostgreSQL connection string)",
-            pg.url_env
-        );
+        eprintln!("lattice migrate: {} holds no PostgreSQL connection string", pg.url_source());
         return ExitCode::from(EXIT_CONFIG);
     }
     let store =

@@ -171,8 +171,10 @@ fn keep_running(file: &Config, running: &Config, new: &mut Config) -> Vec<&'stat
     keep("server.audit_key_env", key(file) != key(new));
     new.server.audit_key = running.server.audit_key.clone();
     let url = |c: &Config| match &c.sessions.store {
-        StoreSettings::Postgres(pg) => Some(pg.url.clone()),
-        StoreSettings::Memory => None,
+        // A `url_file`'s string is read again for each new connection: a
+        // change to it needs no restart.
+        StoreSettings::Postgres(pg) if pg.url_file.is_none() => Some(pg.url.clone()),
+        StoreSettings::Postgres(_) | StoreSettings::Memory => None,
     };
     let sessions = format!("{:?}", file.sessions) != format!("{:?}", new.sessions) || url(file) != url(new);
     keep("sessions", sessions);

@@ -50,6 +50,7 @@ fn continue_(session: &str, prompt: &str) -> QueryOpts {
 fn replica_store(url: &str, lease_ttl: Duration, cache: usize) -> lattice_server::session::PostgresStore {
     let settings = lattice_server::config::PostgresSettings {
         url_env: "-".into(),
+        url_file: None,
         url: url.to_owned(),
         pool_size: 2,
         pipeline_connections: 2,

@@ -188,6 +188,83 @@ async fn a_password_over_tls_is_bound_to_the_connection() {
     assert!(!ok && said.contains("did not bind the password"), "no password asked:\n{said}");
 }
 
+/// The connection string in a file (`url_file`: a Kubernetes Secret
+/// mounted as a volume, which the kubelet updates in place), read again for
+/// each new connection: a rotated password reaches new connections without
+/// a restart. A file that cannot be used meanwhile (half-written, or not a
+/// connection string) leaves new connections on the last string that could,
+/// and the log says why once, never what the file holds.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_password_rotated_in_the_url_file_needs_no_restart() {
+    let ca = TestCa::new("pg-rotate");
+    let server = ca.issue("127.0.0.1");
+    let cluster = Cluster::tls_only_with_passwords(&server.cert_pem, &server.key_pem).await;
+    let admin = connect(&cluster.admin_url("postgres")).await;
+    let (first, second) = (canary(), canary());
+    admin.batch_execute(&format!("ALTER ROLE postgres PASSWORD '{first}'")).await.unwrap();
+    let database = cluster.database().await;
+    let url = |password: &str| {
+        format!("{}?sslmode=require", database.replacen("postgres@", &format!("postgres:{password}@"), 1))
+    };
+    let dir = lattice_tests::temp_dir("urlfile");
+    let file = dir.join("url");
+    // Replaced whole, as the kubelet replaces a Secret's files.
+    let write = |text: &str| {
+        std::fs::write(dir.join("url.new"), text).unwrap();
+        std::fs::rename(dir.join("url.new"), &file).unwrap();
+    };
+    write(&url(&first));
+    let from_file = config(0, "").replace(&format!("url_env = \"{URL_ENV}\""), &format!("url_file = {:?}", file));
+    let lattice = Lattice::spawn(&from_file, &[]).await;
+    let sid = lattice.query("a", "before").await.session_id();
+    // Goes on once new connections are made (those open were cut).
+    let continues = |prompt: &'static str| {
+        let (lattice, sid) = (&lattice, sid.clone());
+        async move {
+            let start = Instant::now();
+            loop {
+                let out = lattice.query_with(query(prompt, Some(&sid), Duration::from_secs(5))).await;
+                if out.code() == Code::Ok {
+                    return;
+                }
+                assert!(start.elapsed() < Duration::from_secs(10), "{prompt}: still {:?}", out.code());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+
+    admin.batch_execute(&format!("ALTER ROLE postgres PASSWORD '{second}'")).await.unwrap();
+    write(&url(&second));
+    assert!(cluster.cut_connections().await > 0, "Lattice had no connection to cut");
+    continues("after the rotation").await;
+    // A config reload after it: the string changed, in the file, and that
+    // needs no restart.
+    lattice.rewrite_config(&from_file.replace("seen", "saw"));
+    let reloaded = Instant::now();
+    loop {
+        let metrics = lattice.metrics().await;
+        let count = |result: &str| sample(&metrics, &format!("lattice_config_reloads_total{{result=\"{result}\"}}"));
+        assert_eq!(count("restart_needed"), None, "{}", lattice.process_logs());
+        if count("ok") == Some(1.0) {
+            break;
+        }
+        assert!(reloaded.elapsed() < Duration::from_secs(10), "the config was not reloaded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    write("host=db.example password='half-written");
+    cluster.cut_connections().await;
+    continues("with a broken file").await;
+    let logs = lattice.process_logs();
+    let said = logs.matches("the connection string's file cannot be used").count();
+    assert_eq!(said, 1, "said once:\n{logs}");
+    for secret in [&first, &second] {
+        assert!(!logs.contains(secret.as_str()), "a password reached the log");
+    }
+    let stored = lattice.session(&sid).await.unwrap();
+    assert_eq!(stored.messages.len(), 6, "{:?}", stored.messages.iter().map(message_text).collect::<Vec<_>>());
+}
+
 /// `sslnegotiation=direct` (PostgreSQL 17): TLS at once, without asking
 /// the server first, and with the ALPN protocol `postgresql`, which such a
 /// server requires. Here a TLS terminator that behaves so, in front of a

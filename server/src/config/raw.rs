@@ -37,6 +37,8 @@ pub(super) struct RawSessions {
     pub(super) store: Option<Spanned<String>>,
     /// The environment variable holding the PostgreSQL connection string.
     pub(super) url_env: Option<Spanned<String>>,
+    /// Or a file holding it, read again for each new connection.
+    pub(super) url_file: Option<Spanned<String>>,
     pub(super) lease_ttl_ms: Option<u64>,
     pub(super) idle_ttl_s: Option<u64>,
     pub(super) max_sessions: Option<usize>,

@@ -71,6 +71,25 @@ fn every_mistake_in_sessions_and_telemetry_is_listed_once() {
     );
 }
 
+/// The connection string comes from one place: an environment variable,
+/// or a file that can be read (never quoted in the problem).
+#[test]
+fn the_connection_string_comes_from_one_place() {
+    let dir = std::env::temp_dir().join(format!("lattice-config-url-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("url");
+    std::fs::write(&file, "postgres://u:hunter2@db/app\n").unwrap();
+    let auth = "[server.auth]\nmode = \"none\"\n[sessions]\n";
+    let store = |keys: &str| format!("{auth}store = \"postgres\"\n{keys}\n{AGENT}");
+    assert_eq!(problems(&store(&format!("url_file = {file:?}"))), Vec::<String>::new());
+    assert_eq!(problems(&store(&format!("url_file = {file:?}\nurl_env = \"KEY\""))), ["5: sessions.url_file"]);
+    let missing = dir.join("missing");
+    assert_eq!(problems(&store(&format!("url_file = {missing:?}"))), ["5: sessions.url_file"]);
+    let memory = format!("{auth}url_file = {file:?}\n{AGENT}");
+    assert_eq!(problems(&memory), ["4: sessions.url_file"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// In agents: wrong types, bad values and a hook's mistakes, in two agents
 /// at once; a required key of the wrong type is said once (not again as
 /// missing).

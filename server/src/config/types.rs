@@ -44,8 +44,11 @@ pub enum StoreSettings {
 /// How to reach PostgreSQL.
 #[derive(Clone)]
 pub struct PostgresSettings {
-    /// The environment variable the URL was read from.
+    /// The environment variable the URL was read from (unless `url_file`).
     pub url_env: String,
+    /// The file the URL was read from, read again for each new connection
+    /// (a rotated password needs no restart).
+    pub url_file: Option<std::path::PathBuf>,
     /// The connection string (never printed: see `Debug`).
     pub url: String,
     /// Pooled connections per replica (reads, deletes, sweeps, health,
@@ -78,10 +81,21 @@ pub struct PostgresSettings {
     pub prepared_statements: bool,
 }
 
+impl PostgresSettings {
+    /// Where the connection string comes from, for messages.
+    pub fn url_source(&self) -> String {
+        match &self.url_file {
+            Some(path) => format!("the file {}", path.display()),
+            None => format!("the environment variable {}", self.url_env),
+        }
+    }
+}
+
 impl fmt::Debug for PostgresSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresSettings")
             .field("url_env", &self.url_env)
+            .field("url_file", &self.url_file)
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
             .field("pipeline_connections", &self.pipeline_connections)

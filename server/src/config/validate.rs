@@ -369,18 +369,35 @@ impl Validator<'_> {
             Some(value) if !value.trim().is_empty() => value.trim().to_owned(),
             _ => {
                 let message = format!("environment variable {:?} is not set ({what})", var.get_ref());
-                match self.secrets {
-                    Secrets::Required => self.problem(Some(var.span()), field, message),
-                    // check-config: the value is needed to serve, not to check.
-                    Secrets::Optional => {
-                        let line = Some(line_of(self.text, var.span().start));
-                        let message = format!("{message} (serving needs it)");
-                        self.warnings.push(Problem { line, field: field.to_owned(), message });
-                    }
-                }
+                self.missing_secret(var.span(), field, message);
                 String::new()
             }
         }
+    }
+
+    /// A secret not found: a problem for `serve`; for `check-config`,
+    /// which needs the value only to serve, a warning.
+    fn missing_secret(&mut self, span: std::ops::Range<usize>, field: &str, message: String) {
+        match self.secrets {
+            Secrets::Required => self.problem(Some(span), field, message),
+            Secrets::Optional => {
+                let line = Some(line_of(self.text, span.start));
+                let message = format!("{message} (serving needs it)");
+                self.warnings.push(Problem { line, field: field.to_owned(), message });
+            }
+        }
+    }
+
+    /// The trimmed text of the file `path` names (a secret: never quoted),
+    /// or a problem (a warning for check-config, as for [`Self::secret`]).
+    fn secret_file(&mut self, path: &Spanned<String>, field: &str) -> String {
+        let message = match std::fs::read_to_string(path.get_ref()) {
+            Ok(text) if !text.trim().is_empty() => return text.trim().to_owned(),
+            Ok(_) => format!("{} is empty (the PostgreSQL connection string)", path.get_ref()),
+            Err(e) => format!("cannot read {} (the PostgreSQL connection string): {}", path.get_ref(), e.kind()),
+        };
+        self.missing_secret(path.span(), field, message);
+        String::new()
     }
 }
 

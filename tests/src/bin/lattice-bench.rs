@@ -674,6 +674,7 @@ async fn commits() {
     let replica = |cache: usize| {
         let settings = PostgresSettings {
             url_env: "-".into(),
+            url_file: None,
             url: url.clone(),
             pool_size: 4,
             pipeline_connections: 2,

@@ -273,6 +273,9 @@ impl Validator<'_> {
                 if let Some(var) = &s.url_env {
                     self.problem(Some(var.span()), "sessions.url_env", "only the postgres store takes a URL");
                 }
+                if let Some(file) = &s.url_file {
+                    self.problem(Some(file.span()), "sessions.url_file", "only the postgres store takes a URL");
+                }
                 if let Some(mib) = &s.history_cache_mib {
                     let why = "only the postgres store keeps a cache (the memory store holds every conversation)";
                     self.problem(Some(mib.span()), "sessions.history_cache_mib", why);
@@ -288,9 +291,18 @@ impl Validator<'_> {
                     Some(var) => var.clone(),
                     None => Spanned::new(span, "LATTICE_POSTGRES_URL".to_owned()),
                 };
-                let url = self.secret(&url_env, "sessions.url_env", "the PostgreSQL connection string");
+                let (url, url_file) = match (&s.url_file, &s.url_env) {
+                    (Some(file), Some(_)) => {
+                        let why = "set url_env or url_file, not both";
+                        self.problem(Some(file.span()), "sessions.url_file", why);
+                        (String::new(), None)
+                    }
+                    (Some(file), None) => (self.secret_file(file, "sessions.url_file"), Some(file.get_ref().into())),
+                    (None, _) => (self.secret(&url_env, "sessions.url_env", "the PostgreSQL connection string"), None),
+                };
                 StoreSettings::Postgres(PostgresSettings {
                     url_env: url_env.into_inner(),
+                    url_file,
                     url,
                     pool_size: s.pool_size.unwrap_or(defaults::POSTGRES_POOL_SIZE).max(1),
                     pipeline_connections: s.pipeline_connections.unwrap_or(defaults::PIPELINE_CONNECTIONS),

@@ -8,6 +8,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
+    time::Duration,
 };
 
 use deadpool_postgres::Connect;
@@ -42,12 +43,68 @@ pub struct Connector {
     made: Arc<tokio::sync::Notify>,
     /// Why each listed host failed, once said (while it stays so).
     hosts_failed: Arc<std::sync::Mutex<Option<String>>>,
+    /// The file the connection string is read from again for each new
+    /// connection (`[sessions] url_file`), if any.
+    reread: Option<Arc<Reread>>,
+}
+
+/// A connection string read again for each new connection: a rotated
+/// password (or host, or TLS file) reaches new connections without a
+/// restart.
+#[derive(Debug)]
+struct Reread {
+    path: std::path::PathBuf,
+    timeout: Duration,
+    /// The last string that parsed, as connections use it.
+    last: std::sync::Mutex<Option<(Config, TlsParams)>>,
+    /// Why the file could not be used, once said (while it stays so).
+    said: std::sync::Mutex<Option<String>>,
 }
 
 impl Connector {
     /// Connections with `tls`.
     pub fn new(tls: TlsParams) -> Self {
-        Self { tls, made: Arc::default(), hosts_failed: Arc::default() }
+        Self { tls, made: Arc::default(), hosts_failed: Arc::default(), reread: None }
+    }
+
+    /// Connections as the file `path` says when each is made (see
+    /// [`prepared`] for `timeout`).
+    pub fn reread(mut self, path: std::path::PathBuf, timeout: Duration) -> Self {
+        let reread = Reread { path, timeout, last: Default::default(), said: Default::default() };
+        self.reread = Some(Arc::new(reread));
+        self
+    }
+
+    /// The settings a new connection uses: the file's, read now, when the
+    /// string is read again and it can be used; else the last that could
+    /// (or `given`, as read at start-up), and the log says why once.
+    fn current(&self, given: &Config) -> (Config, TlsParams) {
+        let Some(reread) = &self.reread else { return (given.clone(), self.tls.clone()) };
+        let read = std::fs::read_to_string(&reread.path)
+            .map_err(|e| format!("cannot read it: {}", e.kind()))
+            .and_then(|text| super::url::parse(&text));
+        let mut last = crate::sync::lock(&reread.last);
+        let mut said = crate::sync::lock(&reread.said);
+        match read {
+            Ok(target) => {
+                let now = (prepared(target.config, reread.timeout), target.tls);
+                *last = Some(now.clone());
+                *said = None;
+                now
+            }
+            Err(why) => {
+                if said.as_deref() != Some(why.as_str()) {
+                    let file = reread.path.display().to_string();
+                    warn!(
+                        file,
+                        reason = why.as_str(),
+                        "session store: the connection string's file cannot be used; new connections use the last one that could"
+                    );
+                    *said = Some(why);
+                }
+                last.clone().unwrap_or_else(|| (given.clone(), self.tls.clone()))
+            }
+        }
     }
 
     /// A connection to the first of the string's hosts that takes one,
@@ -58,19 +115,23 @@ impl Connector {
     /// while the reasons stay the same; the error is the last host's.
     /// With `load_balance_hosts=random`, tokio-postgres picks the order
     /// and says only the last host's reason.
-    async fn connect_in_turn(&self, pg: &Config) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+    async fn connect_in_turn(
+        &self,
+        pg: &Config,
+        tls: &TlsParams,
+    ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
         let n = pg.get_hosts().len().max(pg.get_hostaddrs().len());
         if n <= 1 || pg.get_load_balance_hosts() == LoadBalanceHosts::Random {
-            return self.connect_as_sslmode(pg).await;
+            return Self::connect_as_sslmode(pg, tls).await;
         }
         let mut reasons = Vec::new();
         for i in 0..n - 1 {
-            match self.connect_as_sslmode(&one_host(pg, i)).await {
+            match Self::connect_as_sslmode(&one_host(pg, i), tls).await {
                 Ok(made) => return Ok(self.hosts_answered(made)),
                 Err(e) => reasons.push(format!("host {} of {n}: {}", i + 1, reason(&e))),
             }
         }
-        let e = match self.connect_as_sslmode(&one_host(pg, n - 1)).await {
+        let e = match Self::connect_as_sslmode(&one_host(pg, n - 1), tls).await {
             Ok(made) => return Ok(self.hosts_answered(made)),
             Err(e) => e,
         };
@@ -96,9 +157,12 @@ impl Connector {
     }
 
     /// A connection as the string's `sslmode` says.
-    async fn connect_as_sslmode(&self, pg: &Config) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
-        let tls = Rustls { params: self.tls.clone() };
-        match self.tls.mode {
+    async fn connect_as_sslmode(
+        pg: &Config,
+        params: &TlsParams,
+    ) -> Result<(Client, JoinHandle<()>), tokio_postgres::Error> {
+        let tls = Rustls { params: params.clone() };
+        match params.mode {
             SslMode::Disable => Self::connect_with(pg, PgSslMode::Disable, NoTls).await,
             // Plaintext first; TLS when the server refuses plaintext.
             SslMode::Allow => match Self::connect_with(pg, PgSslMode::Disable, NoTls).await {
@@ -137,15 +201,41 @@ impl Connector {
 
 impl Connect for Connector {
     fn connect(&self, pg: &Config) -> BoxFuture<'_, Result<(Client, JoinHandle<()>), tokio_postgres::Error>> {
-        let pg = pg.clone();
+        let (pg, tls) = self.current(pg);
         Box::pin(async move {
-            let made = self.connect_in_turn(&pg).await;
+            let made = self.connect_in_turn(&pg, &tls).await;
             if made.is_ok() {
                 self.made.notify_waiters();
             }
             made
         })
     }
+}
+
+/// The connection string's settings as the store uses them: a connection
+/// made within `timeout` (the string's `connect_timeout` if shorter),
+/// named `lattice`, and a server that vanished without a reset (a
+/// failover's old primary, a cut network) noticed by the kernel, not only
+/// by the store's timers: unanswered keepalives, and data left
+/// unacknowledged for `timeout`, close the connection. (The string's own
+/// settings win.)
+pub(super) fn prepared(mut pg: Config, timeout: Duration) -> Config {
+    pg.connect_timeout(pg.get_connect_timeout().copied().unwrap_or(timeout).min(timeout));
+    pg.application_name("lattice");
+    pg.keepalives(true);
+    if pg.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        pg.keepalives_idle(Duration::from_secs(10));
+    }
+    if pg.get_keepalives_interval().is_none() {
+        pg.keepalives_interval(Duration::from_secs(5));
+    }
+    if pg.get_keepalives_retries().is_none() {
+        pg.keepalives_retries(3);
+    }
+    if pg.get_tcp_user_timeout().is_none() {
+        pg.tcp_user_timeout(timeout);
+    }
+    pg
 }
 
 /// `pg` narrowed to its host `i` (with its `hostaddr`, and its port, or

@@ -331,6 +331,7 @@ mod tests {
     async fn a_kept_lease_queries_futures_carry_no_statement_they_do_not_send() -> Result<(), String> {
         let settings = PostgresSettings {
             url_env: "-".into(),
+            url_file: None,
             // Never reached: nothing here is polled.
             url: "postgres://lattice@127.0.0.1:9/lattice".into(),
             pool_size: 1,

@@ -191,31 +191,14 @@ impl PostgresStore {
     /// A pool for `settings` (nothing connects yet). Err: the connection
     /// string can't be used (said without quoting it).
     pub fn new(settings: &PostgresSettings, lease_ttl: Duration, idle_ttl: Duration) -> Result<Self, String> {
-        let target =
-            url::parse(&settings.url).map_err(|why| format!("the connection string in {}: {why}", settings.url_env))?;
-        let mut pg = target.config;
+        let target = url::parse(&settings.url)
+            .map_err(|why| format!("the connection string in {}: {why}", settings.url_source()))?;
         let timeout = settings.store_timeout;
-        pg.connect_timeout(pg.get_connect_timeout().copied().unwrap_or(timeout).min(timeout));
-        pg.application_name("lattice");
-        // A server that vanished without a reset (a failover's old primary,
-        // a cut network) is noticed by the kernel, not only by our timers:
-        // unanswered keepalives, and data left unacknowledged for the
-        // store's timeout, close the connection. (The string's own
-        // settings win.)
-        pg.keepalives(true);
-        if pg.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
-            pg.keepalives_idle(Duration::from_secs(10));
+        let pg = connect::prepared(target.config, timeout);
+        let mut connector = connect::Connector::new(target.tls);
+        if let Some(path) = &settings.url_file {
+            connector = connector.reread(path.clone(), timeout);
         }
-        if pg.get_keepalives_interval().is_none() {
-            pg.keepalives_interval(Duration::from_secs(5));
-        }
-        if pg.get_keepalives_retries().is_none() {
-            pg.keepalives_retries(3);
-        }
-        if pg.get_tcp_user_timeout().is_none() {
-            pg.tcp_user_timeout(timeout);
-        }
-        let connector = connect::Connector::new(target.tls);
         let (pg_probe, connector_probe) = (pg.clone(), connector.clone());
         let shared = (settings.pipeline_connections > 0)
             .then(|| Arc::new(shared::Shared::new(pg.clone(), connector.clone(), settings.pipeline_connections)));
