@@ -24,7 +24,7 @@ use tokio_postgres::{
 };
 use tracing::{debug, info, warn};
 
-use super::{connect, pool::Object, shared::Lent};
+use super::{failure, pool::Object, shared::Lent};
 use crate::session::StoreError;
 
 /// A statement's parameter and its type.
@@ -291,12 +291,35 @@ pub(super) async fn quietly<T>(fut: impl Future<Output = T>) -> (T, Option<Strin
         .await
 }
 
-/// Says the failures of an operation that recurs on a timer (the
-/// readiness probe, the keeper's statements) once for each run of them:
-/// the first, and again only when the reason changes. A database away for
-/// an hour is a line, not one a second.
+/// The reason a run of failures was last said with: a failure that
+/// recurs (a probe every second, every new connection while the database
+/// is away) is said once, and again only when its reason changes.
 #[derive(Debug, Default)]
-pub(super) struct SaidOnce(Mutex<Option<String>>);
+pub(super) struct LastSaid(Mutex<Option<String>>);
+
+impl LastSaid {
+    /// Whether `reason` is new (then it is the one said from now on).
+    pub(super) fn anew(&self, reason: &str) -> bool {
+        let mut said = crate::sync::lock(&self.0);
+        if said.as_deref() == Some(reason) {
+            return false;
+        }
+        *said = Some(reason.to_owned());
+        true
+    }
+
+    /// The run of failures ended.
+    pub(super) fn clear(&self) {
+        *crate::sync::lock(&self.0) = None;
+    }
+}
+
+/// Says the failures of an operation that recurs on a timer (the
+/// readiness probe, the renewer's and the keeper's statements) as
+/// [`LastSaid`] does. A database away for an hour is a line, not one a
+/// second.
+#[derive(Debug, Default)]
+pub(super) struct SaidOnce(LastSaid);
 
 impl SaidOnce {
     /// Runs `fut`, operation `what`, saying its failure as above.
@@ -306,12 +329,10 @@ impl SaidOnce {
         fut: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let (answer, reason) = quietly(fut).await;
-        let mut said = crate::sync::lock(&self.0);
         match (&answer, reason) {
-            (Ok(_), _) => *said = None,
-            (Err(_), Some(reason)) if said.as_deref() != Some(reason.as_str()) => {
+            (Ok(_), _) => self.0.clear(),
+            (Err(_), Some(reason)) if self.0.anew(&reason) => {
                 warn!(operation = what, reason, "session store failed");
-                *said = Some(reason);
             }
             (Err(_), _) => {}
         }
@@ -337,13 +358,13 @@ pub(super) fn unavailable(what: &str, reason: &str) -> StoreError {
 }
 
 pub(super) fn db(what: &'static str) -> impl Fn(tokio_postgres::Error) -> StoreError {
-    move |e| unavailable(what, &connect::reason(&e))
+    move |e| unavailable(what, &failure::reason(&e))
 }
 
 /// Why the pool gave no connection.
 pub(super) fn pool_reason(e: &deadpool_postgres::PoolError) -> String {
     match e {
-        deadpool_postgres::PoolError::Backend(b) => connect::reason(b),
+        deadpool_postgres::PoolError::Backend(b) => failure::reason(b),
         deadpool_postgres::PoolError::Timeout(_) => "no connection within the store's timeout".to_owned(),
         other => format!("{other}"),
     }

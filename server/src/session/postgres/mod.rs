@@ -51,9 +51,11 @@
 
 mod acquire;
 mod backoff;
+mod binding;
 mod commit;
 mod conn;
 mod connect;
+mod failure;
 mod group;
 mod keeper;
 mod kept;
@@ -63,6 +65,7 @@ mod pooler;
 mod renew;
 mod schema;
 mod shared;
+mod tls;
 mod url;
 
 use std::{
@@ -183,7 +186,7 @@ pub async fn connect_once(url: &str) -> Result<tokio_postgres::Client, String> {
     let target = url::parse(url)?;
     let connector = connect::Connector::new(target.tls);
     // (The connection's task runs on until the client is dropped.)
-    let (client, _task) = connector.connect(&target.config).await.map_err(|e| connect::reason(&e))?;
+    let (client, _task) = connector.connect(&target.config).await.map_err(|e| failure::reason(&e))?;
     Ok(client)
 }
 
@@ -533,7 +536,7 @@ impl SessionStore for PostgresStore {
             let read_only =
                 answer.iter().any(|m| matches!(m, SimpleQueryMessage::Row(row) if row.get(0) == Some("on")));
             if read_only {
-                return Err(unavailable("ready", connect::TAKES_NO_WRITES));
+                return Err(unavailable("ready", failure::TAKES_NO_WRITES));
             }
             Ok(())
         });

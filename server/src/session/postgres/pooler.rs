@@ -29,7 +29,7 @@ use deadpool_postgres::Connect;
 use tokio_postgres::{Client, SimpleQueryMessage};
 use tracing::debug;
 
-use super::{PostgresStore, connect};
+use super::{PostgresStore, failure};
 
 /// How long the probe lets the pooler take the first connection's server
 /// connection back before the second asks for one.
@@ -59,13 +59,13 @@ impl PostgresStore {
 
     /// How the probe found a pooler in transaction mode, if it did.
     async fn transaction_pooled(&self) -> Result<Option<&'static str>, String> {
-        let connect = async || self.connector.connect(&self.pg).await.map_err(|e| connect::reason(&e));
+        let connect = async || self.connector.connect(&self.pg).await.map_err(|e| failure::reason(&e));
         let (first, first_task) = connect().await?;
         let (second, second_task) = connect().await?;
         let probe = async {
             let before = [process(&first).await?, process(&first).await?];
             tokio::time::sleep(HAND_BACK).await;
-            second.simple_query("BEGIN").await.map_err(|e| connect::reason(&e))?;
+            second.simple_query("BEGIN").await.map_err(|e| failure::reason(&e))?;
             verdict(before, process(&second).await?, process(&first)).await
         };
         let pooled = probe.await;
@@ -101,7 +101,7 @@ async fn verdict(
 
 /// The server process serving `client`'s transaction.
 async fn process(client: &Client) -> Result<i32, String> {
-    let messages = client.simple_query("SELECT pg_backend_pid()").await.map_err(|e| connect::reason(&e))?;
+    let messages = client.simple_query("SELECT pg_backend_pid()").await.map_err(|e| failure::reason(&e))?;
     messages
         .iter()
         .find_map(|m| match m {

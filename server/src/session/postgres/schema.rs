@@ -107,7 +107,7 @@ pub enum SchemaError {
 }
 
 fn unreachable(e: tokio_postgres::Error) -> SchemaError {
-    SchemaError::Unreachable(super::connect::reason(&e))
+    SchemaError::Unreachable(super::failure::reason(&e))
 }
 
 /// The database's schema version (0: none yet).
